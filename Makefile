@@ -1,0 +1,25 @@
+# The course's two commands.  `make lab` opens JupyterLab on the index; `make test` runs everything.
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+PORT   ?= 8888
+
+.PHONY: lab test clean
+
+# The stamps are newer than pyproject.toml while .venv is current; otherwise the course is reinstalled.
+$(VENV)/.stamp-lab: pyproject.toml scripts/bootstrap.py
+	$(PYTHON) scripts/bootstrap.py
+	@touch $@
+
+$(VENV)/.stamp-test: pyproject.toml scripts/bootstrap.py
+	$(PYTHON) scripts/bootstrap.py --extras test
+	@touch $@ $(VENV)/.stamp-lab
+
+lab: $(VENV)/.stamp-lab
+	$(VPY) -m jupyter lab --port $(PORT) notebooks/index.ipynb
+
+test: $(VENV)/.stamp-test
+	$(VPY) -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache

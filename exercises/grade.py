@@ -1,0 +1,53 @@
+"""Grade the exercises: ``python -m exercises.grade [EXERCISE_ID ...]``.
+
+    python -m exercises.grade                     # every exercise, your `exercises` package
+    python -m exercises.grade 0.1 5a.1            # some of them
+    python -m exercises.grade --solutions reference   # grade another package laid out the same way
+    python -m exercises.grade --gradescope results.json --junit results.xml
+
+Learner code runs in separate, time-limited processes; this process computes and writes the score.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .grading import core, report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m exercises.grade", description=__doc__.splitlines()[0])
+    p.add_argument("ids", nargs="*", metavar="EXERCISE_ID", help="exercise ids (default: all)")
+    p.add_argument("--solutions", default="exercises", help="package to grade (default: exercises)")
+    p.add_argument("--gradescope", metavar="PATH", help="write Gradescope results.json here")
+    p.add_argument("--junit", metavar="PATH", help="write JUnit XML here")
+    p.add_argument("--no-hidden", action="store_true", help="skip teachers' hidden checks")
+    p.add_argument("--list", action="store_true", help="list the exercises and their checks, then stop")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = p.parse_args(argv)
+
+    if args.list:
+        for ex in core.load_checks().values():
+            print(f"{ex.id:6} {ex.title}  ({ex.points:g} points; {ex.module}: {', '.join(ex.functions)})")
+            for c in ex.checks:
+                print(f"         - {c.name} ({c.points:g}){' [hidden]' if c.hidden else ''}")
+        return 0
+    t0 = time.perf_counter()
+    progress = None if args.quiet else (lambda s: print("  grading", s, file=sys.stderr, flush=True))
+    try:
+        results = core.grade(args.solutions, args.ids or None, include_hidden=not args.no_hidden, progress=progress)
+    except ValueError as e:
+        p.error(str(e))
+    elapsed = time.perf_counter() - t0
+    print(report.summary_text(results))
+    print(f"({elapsed:.1f} s)")
+    if args.gradescope:
+        report.gradescope(results, args.gradescope, execution_time=elapsed)
+    if args.junit:
+        report.junit(results, args.junit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

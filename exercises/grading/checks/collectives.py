@@ -1,0 +1,125 @@
+"""Checks for lecture 0 (ring all-reduce, ring all-gather)."""
+from __future__ import annotations
+
+import torch
+
+from reference.collectives import chunk_bounds
+
+from ..core import exercise
+from ..feedback import Mismatch
+
+H = "exercises.grading.harness"
+
+ALL_REDUCE = exercise("0.1", "Ring all-reduce from send/recv", "collectives", ["ring_all_reduce"])
+ALL_GATHER = exercise("0.2", "Ring all-gather from send/recv", "collectives", ["ring_all_gather"])
+
+
+def _inputs(world_size: int, shape, seed: int, scale: float = 1.0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g, dtype=torch.float64) * scale for _ in range(world_size)]
+
+
+def only_own_chunk_summed(m: Mismatch) -> str | None:
+    """Each rank's result matches the true sum on one chunk only: the all-gather half is missing."""
+    xs, n = m.extra.get("inputs"), m.world_size
+    if not xs or not isinstance(m.got, torch.Tensor) or m.got.shape != m.expected.shape:
+        return None
+    g, e = m.got.flatten(), m.expected.flatten()
+    ok = [torch.allclose(g[a:b], e[a:b]) for a, b in chunk_bounds(g.numel(), n)]
+    if sum(ok) == 1:
+        return ("only one chunk holds the full sum: the reduce-scatter works, but the all-gather pass that "
+                "hands the finished chunks round the ring is missing or wrong.")
+    return None
+
+
+def sum_of_two(m: Mismatch) -> str | None:
+    xs, r = m.extra.get("inputs"), m.rank
+    if not xs or m.world_size is None or m.world_size < 3 or not isinstance(m.got, torch.Tensor):
+        return None
+    n = m.world_size
+    for other in ((r - 1) % n, (r + 1) % n):
+        if torch.allclose(m.got, xs[r] + xs[other]):
+            return f"rank {r} returned its own tensor plus rank {other}'s: one step instead of N-1 steps."
+    return None
+
+
+def _all_reduce_case(ctx, n: int, shape, seed: int, scale: float = 1.0, case: str = "") -> None:
+    xs = _inputs(n, shape, seed, scale)
+    res = ctx.ranks(n, f"{H}:call_per_rank", "ring_all_reduce", [(x,) for x in xs])
+    want = torch.stack(xs).sum(0)
+    for r in range(n):
+        ctx.compare(res.values[r], want, "sum", rank=r, world_size=n, atol=1e-9 * scale, rtol=1e-9, case=case,
+                    detectors=[only_own_chunk_summed, sum_of_two], extra={"inputs": xs, "input": xs[r]})
+    return res
+
+
+@ALL_REDUCE.check("sums on 2 ranks")
+def _(ctx):
+    _all_reduce_case(ctx, 2, (6,), seed=1)
+
+
+@ALL_REDUCE.check("sums on 3 ranks, 10 elements (not divisible by 3), 2-D shape kept", points=2)
+def _(ctx):
+    _all_reduce_case(ctx, 3, (2, 5), seed=2, case="numel 10, N=3")
+
+
+@ALL_REDUCE.check("sums on 4 ranks, large values, input left unchanged")
+def _(ctx):
+    _all_reduce_case(ctx, 4, (3, 4), seed=3, scale=1e6, case="large values")
+
+
+@ALL_REDUCE.check("a single rank returns a copy of its input")
+def _(ctx):
+    _all_reduce_case(ctx, 1, (5,), seed=4)
+
+
+@ALL_REDUCE.check("sends exactly 2·(N-1)/N · n bytes per rank, to the next rank only", points=2)
+def _(ctx):
+    n, numel = 4, 64
+    res = _all_reduce_case(ctx, n, (numel,), seed=5)
+    want = 2 * (n - 1) * (numel // n) * 8
+    sent = {r: 0 for r in range(n)}
+    peers: dict[int, set] = {r: set() for r in range(n)}
+    for e in res.events("send"):
+        sent[e["rank"]] += e["nbytes"]
+        peers[e["rank"]].add(e["peer"])
+    ctx.expect(any(sent.values()), "no sends were recorded: use reference.comm (or torch.distributed) "
+               "point-to-point messages, not a library all_reduce.")
+    for r in range(n):
+        ctx.expect(sent[r] == want, f"rank {r} sent {sent[r]} bytes; a ring all-reduce of {numel} float64 values "
+                   f"on {n} ranks sends 2·(N-1)/N·n = {want} bytes per rank.")
+        ctx.expect(peers[r] == {(r + 1) % n}, f"rank {r} sent to ranks {sorted(peers[r])}; in a ring each rank "
+                   f"sends only to the next one ({(r + 1) % n}).")
+
+
+def _gather_case(ctx, n: int, numel: int, seed: int):
+    full = _inputs(1, (numel,), seed)[0]
+    bounds = chunk_bounds(numel, n)
+    args = []
+    for r in range(n):
+        a, b = bounds[(r + 1) % n]
+        args.append((full[a:b].clone(), numel))
+    res = ctx.ranks(n, f"{H}:call_per_rank", "ring_all_gather", args)
+    for r in range(n):
+        ctx.compare(res.values[r], full, "gathered tensor", rank=r, world_size=n, atol=0, rtol=0)
+    return res
+
+
+@ALL_GATHER.check("gathers on 2 ranks")
+def _(ctx):
+    _gather_case(ctx, 2, 8, seed=11)
+
+
+@ALL_GATHER.check("gathers on 3 ranks, 10 elements (uneven chunks)", points=2)
+def _(ctx):
+    _gather_case(ctx, 3, 10, seed=12)
+
+
+@ALL_GATHER.check("gathers on 4 ranks, sending (N-1)/N · n bytes per rank", points=2)
+def _(ctx):
+    n, numel = 4, 32
+    res = _gather_case(ctx, n, numel, seed=13)
+    want = (n - 1) * (numel // n) * 8
+    for r in range(n):
+        sent = sum(e["nbytes"] for e in res.events("send", rank=r))
+        ctx.expect(sent == want, f"rank {r} sent {sent} bytes; a ring all-gather sends (N-1)/N·n = {want}.")

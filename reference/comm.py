@@ -1,0 +1,208 @@
+"""Thin, traced wrappers around ``torch.distributed``.
+
+Reference code (and learners' code) communicates through these so that every message becomes a
+:class:`reference.trace.Event` with its bytes, peer and step, and so that a rank blocked in one is
+reported by name if the world times out.  When nothing is recording they add one boolean test.
+
+Ranks in ``dst``/``src``/``peer`` are *global* ranks, as in ``torch.distributed``, also inside a
+subgroup.  ``group=None`` is the default (world) group.  Tensors may live on CPU (gloo) or CUDA
+(nccl); nothing here assumes a device.
+
+Point-to-point traffic around a ring must never be a blocking ``send`` then ``recv`` on every rank
+(on gloo that deadlocks).  :func:`exchange` posts all sends and receives of one step together with
+``batch_isend_irecv`` and returns a :class:`Pending` to wait on later — after the compute that the
+communication should hide behind.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import trace
+from .trace import span
+
+__all__ = ["rank", "world_size", "ring_peers", "send", "recv", "exchange", "Pending", "all_reduce",
+           "all_gather", "reduce_scatter", "all_to_all_single", "all_to_all", "broadcast", "barrier",
+           "new_group", "nbytes"]
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank inside ``group`` (0 when torch.distributed is not initialised)."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """Global rank of ``group_rank`` in ``group``."""
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def ring_peers(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """``(next, prev)``: global ranks this rank sends to and receives from in the group's ring.
+
+    Data flows forward: rank i sends to i+1 and receives from i-1 (mod W)::
+
+        0 ──▶ 1 ──▶ 2 ──▶ 3
+        ▲                 │
+        └─────────────────┘
+    """
+    r, w = rank(group), world_size(group)
+    return global_rank(group, (r + 1) % w), global_rank(group, (r - 1) % w)
+
+
+def new_group(ranks: Sequence[int], timeout: float | None = None) -> dist.ProcessGroup:
+    """``dist.new_group`` with an explicit timeout (never torch's 30-minute default).
+
+    Every rank of the world must call it, for every group, in the same order.
+    """
+    if timeout is None:
+        timeout = _default_timeout()
+    return dist.new_group(list(ranks), timeout=timedelta(seconds=timeout))
+
+
+def _default_timeout() -> float:
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        return float(pg.options._timeout.total_seconds()) if hasattr(pg, "options") else 300.0
+    except Exception:
+        return 300.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Point to point
+
+
+def send(tensor: torch.Tensor, dst: int, *, group=None, step: int | None = None, **meta: Any) -> None:
+    """Blocking send (traced)."""
+    with span("send", peer=dst, nbytes=nbytes(tensor), step=step, **meta):
+        dist.send(tensor, dst, group=group)
+
+
+def recv(tensor: torch.Tensor, src: int, *, group=None, step: int | None = None, **meta: Any) -> torch.Tensor:
+    """Blocking receive into ``tensor`` (traced).  Returns ``tensor``."""
+    with span("recv", peer=src, nbytes=nbytes(tensor), step=step, **meta):
+        dist.recv(tensor, src, group=group)
+    return tensor
+
+
+class Pending:
+    """Sends and receives in flight.  :meth:`wait` (safe to call twice) returns the received tensors.
+
+    The trace gets one ``send`` and one ``recv`` event per message, from the moment it was posted
+    to the moment :meth:`wait` returned, so an event's length shows how long the transfer was in
+    flight, not how long the rank was stuck.
+    """
+
+    def __init__(self, works, sends, recvs, step, meta, t_post):
+        self._works, self._sends, self._recvs = works, sends, recvs
+        self._step, self._meta, self._t_post = step, meta, t_post
+        self._done = False
+
+    def wait(self) -> list[torch.Tensor]:
+        if not self._done:
+            peers = ", ".join([f"send to rank {d}" for _, d in self._sends] +
+                              [f"recv from rank {s}" for _, s in self._recvs])
+            trace.set_status(f"exchange ({peers})" + (f" (step {self._step})" if self._step is not None else ""))
+            try:
+                with trace.quiet():
+                    for w in self._works:
+                        w.wait()
+            finally:
+                trace.set_status("")
+            self._done = True
+            if trace.is_recording():
+                import time
+                t_end = time.perf_counter()
+                for t, d in self._sends:
+                    trace.emit("send", peer=d, nbytes=nbytes(t), step=self._step, start=self._t_post,
+                               end=t_end, **self._meta)
+                for t, s in self._recvs:
+                    trace.emit("recv", peer=s, nbytes=nbytes(t), step=self._step, start=self._t_post,
+                               end=t_end, **self._meta)
+        return [t for t, _ in self._recvs]
+
+
+def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]], *,
+             group=None, step: int | None = None, **meta: Any) -> Pending:
+    """Post every send ``(tensor, dst)`` and receive ``(buffer, src)`` of one step at once.
+
+    Returns at once; call ``.wait()`` on the result when the received tensors are needed.
+    """
+    import time
+    ops = [dist.P2POp(dist.isend, t, d, group=group) for t, d in sends]
+    ops += [dist.P2POp(dist.irecv, t, s, group=group) for t, s in recvs]
+    t_post = time.perf_counter()
+    with trace.quiet():
+        works = dist.batch_isend_irecv(ops) if ops else []
+    return Pending(works, list(sends), list(recvs), step, meta, t_post)
+
+
+# ----------------------------------------------------------------------------------------------
+# Collectives.  ``nbytes`` is the size of the tensor this rank hands in.
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, *, group=None, step: int | None = None,
+               **meta: Any) -> torch.Tensor:
+    with span("all_reduce", nbytes=nbytes(tensor), step=step, **meta):
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, *, group=None, step: int | None = None, **meta: Any) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (equal shapes), in group-rank order."""
+    out = [torch.empty_like(tensor) for _ in range(world_size(group))]
+    with span("all_gather", nbytes=nbytes(tensor), step=step, **meta):
+        dist.all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter(output: torch.Tensor, inputs: list[torch.Tensor], op=dist.ReduceOp.SUM, *, group=None,
+                   step: int | None = None, **meta: Any) -> torch.Tensor:
+    with span("reduce_scatter", nbytes=sum(nbytes(t) for t in inputs), step=step, **meta):
+        dist.reduce_scatter(output, [t.contiguous() for t in inputs], op=op, group=group)
+    return output
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, *, group=None, step: int | None = None,
+                      **meta: Any) -> torch.Tensor:
+    """``dist.all_to_all_single`` (traced).  ``meta["send_splits"]`` records the rows per destination."""
+    w = world_size(group)
+    splits = list(input_split_sizes) if input_split_sizes is not None else [input.shape[0] // w] * w
+    row = nbytes(input) // max(1, input.shape[0]) if input.dim() else nbytes(input)
+    meta.setdefault("send_splits", splits)
+    meta.setdefault("send_bytes", [s * row for s in splits])
+    with span("all_to_all", nbytes=nbytes(input), step=step, **meta):
+        dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
+    return output
+
+
+def all_to_all(outputs: list[torch.Tensor], inputs: list[torch.Tensor], *, group=None, step: int | None = None,
+               **meta: Any) -> list[torch.Tensor]:
+    meta.setdefault("send_bytes", [nbytes(t) for t in inputs])
+    with span("all_to_all", nbytes=sum(nbytes(t) for t in inputs), step=step, **meta):
+        dist.all_to_all(outputs, [t.contiguous() for t in inputs], group=group)
+    return outputs
+
+
+def broadcast(tensor: torch.Tensor, src: int, *, group=None, step: int | None = None, **meta: Any) -> torch.Tensor:
+    with span("broadcast", peer=src, nbytes=nbytes(tensor), step=step, **meta):
+        dist.broadcast(tensor, src, group=group)
+    return tensor
+
+
+def barrier(*, group=None) -> None:
+    with span("barrier"):
+        dist.barrier(group=group)
