@@ -1,0 +1,17 @@
+"""Lecture 5b — the expert axis: GShard top-2 and Switch top-1 routing, capacity and dropped
+tokens, expert parallelism over all-to-all, and gradient synchronisation with data parallelism.
+
+    routing    top_k_gating, expert_capacity, load_balancing_loss, router_z_loss
+    layer      MoELayer: the single-process layer (ground truth, loop over experts)
+    parallel   dispatch / combine (padded, GShard-style) and the dropless variable-split path,
+               differentiable all-to-all, ExpertParallelMoE
+    grad_sync  sync_moe_gradients: expert parallelism combined with data parallelism
+    demos      worker functions for the lecture notebook
+
+Read them in that order.
+"""
+from .routing import expert_capacity, gshard_random_routing, load_balancing_loss, router_z_loss, top_k_gating
+from .layer import Expert, MoELayer
+
+__all__ = ["expert_capacity", "top_k_gating", "load_balancing_loss", "router_z_loss", "gshard_random_routing",
+           "Expert", "MoELayer"]

@@ -1,0 +1,181 @@
+"""Lecture 5b, part 1 — the router: top-k gating, capacity, and the two router losses.
+
+A mixture-of-experts layer replaces one feed-forward block by E experts and a router, a linear map
+``W_r`` (d_model × E, no bias).  Token t gets router logits ``h_t = x_t · W_r`` and probabilities
+
+    p_t = softmax(h_t)          over ALL E experts, in float32 (or the input's dtype if wider)
+
+and is sent to its k most probable experts.  Its output is the weighted sum of what they return:
+
+    y_t = Σ_{j<k, kept}  w_tj · FFN_{e_tj}(x_t)
+
+Every choice below is pinned down, with where it comes from and where public code differs.
+
+Softmax order — softmax over all experts, THEN top-k (Switch arXiv:2101.03961 §2.1, GShard
+    arXiv:2006.16668 Alg. 1).  Top-k first and a softmax over the k survivors (Mixtral-style code)
+    gives the same top-2 weights, but for k = 1 it always gives weight 1.0, so the router receives
+    no gradient through the weight.  Some recent models use a sigmoid instead (not here).
+
+Combine weights — top-1 (Switch): ``w = p_{t,e}``, the raw probability.  Top-2 (GShard): the two
+    probabilities renormalised, ``w_j = p_j / (p_1 + p_2)``, BEFORE any capacity dropping: a dropped
+    second choice does not hand its weight to the first.  (DeepSpeed's ``top2gating`` takes the
+    denominator from capacity-masked gates, i.e. renormalises AFTER dropping; a token that lost its
+    second expert then gives its first one weight 1.)  For k > 2 we renormalise the same way.
+
+Capacity — each expert has a buffer of ``C = ceil(k · capacity_factor · T / E)`` slots per routing
+    group of T tokens, at least 1 (Switch §2.2 writes (T/E)·cf for k = 1; GShard sizes top-2
+    buffers 2T/E).  DeepSpeed uses the same ceil with a ``min_capacity`` floor (default 4); other
+    code floors instead of ceiling.  Slots are filled by every token's FIRST choice, in token order,
+    before any SECOND choice (GShard Alg. 1 offsets the second choice's position by the count of
+    first choices).  V-MoE's "batch prioritized routing" (arXiv:2106.05974) instead orders by
+    router probability; not used here.
+
+Dropping — an assignment beyond capacity is dropped: it contributes exactly 0 to ``y_t``.  A token
+    dropped by all its experts outputs 0 from the layer and is carried by the residual around it
+    (Switch §2.2).  Code that adds the residual inside the MoE layer shows such a token as "x".
+
+Layout of the routing decision, T tokens, k choices (what the lecture's widget draws)::
+
+                   choice 0      choice 1          slot: position in the expert's buffer,
+    token 0    ->  e=3 w=.61     e=0 w=.39               first choices fill slots first
+    token 1    ->  e=3 w=.55     e=2 w=.45         kept: slot < C
+    ...                                            dropped: slot = -1, contributes 0
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import comm
+
+__all__ = ["expert_capacity", "top_k_gating", "load_balancing_loss", "router_z_loss",
+           "router_dtype", "gshard_random_routing"]
+
+
+def router_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or the input's dtype if wider (float64): the router's softmax never runs in 16 bits."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float) -> int:
+    """Slots per expert per routing group: ``C = ceil(k · capacity_factor · T / E)``, at least 1.
+
+    With ``capacity_factor = 1`` the buffers hold exactly the k·T assignments if routing is
+    perfectly balanced; above 1 they leave head-room for imbalance (Switch uses 1.0-1.25 in
+    training, GShard 2T/E for top-2).
+    """
+    if num_tokens < 0 or num_experts < 1 or k < 1 or capacity_factor <= 0:
+        raise ValueError(f"expert_capacity needs T >= 0, E >= 1, k >= 1, capacity_factor > 0; got "
+                         f"T={num_tokens}, E={num_experts}, k={k}, capacity_factor={capacity_factor}")
+    return max(1, math.ceil(k * capacity_factor * num_tokens / num_experts))
+
+
+def top_k_gating(logits: torch.Tensor, k: int, capacity: int | None) -> dict[str, torch.Tensor]:
+    """Route T tokens to their top-k experts with capacity ``capacity`` (None: dropless).
+
+    logits: (T, E) router logits.  Returns a dict of tensors:
+
+        probs         (T, E) float32+  softmax over all experts
+        expert_index  (T, k) long      experts chosen, most probable first
+        weight        (T, k) float32+  combine weights: k = 1 raw probability (Switch); k >= 2
+                                       renormalised over the k chosen, before dropping (GShard)
+        kept          (T, k) bool      the assignment got a slot
+        slot          (T, k) long      position in its expert's buffer, -1 if dropped
+
+    Slot order: all first choices in token order, then all second choices, ...  The assignment
+    (t, j) to expert e takes slot = number of assignments to e that come before it in the order
+    (j=0, t=0), (j=0, t=1), ..., (j=0, t=T-1), (j=1, t=0), ...; it is kept if slot < capacity.
+    """
+    T, E = logits.shape
+    if not 1 <= k <= E:
+        raise ValueError(f"k must be between 1 and the number of experts ({E}), got {k}")
+    probs = torch.softmax(logits.to(router_dtype(logits.dtype)), dim=-1)         # (T, E)
+    top_p, expert_index = probs.topk(k, dim=-1)                                  # (T, k)
+    weight = top_p if k == 1 else top_p / top_p.sum(dim=-1, keepdim=True)
+
+    # Priority order: row j·T + t of `order` is the one-hot of choice j of token t.
+    order = F.one_hot(expert_index, E).transpose(0, 1).reshape(k * T, E)         # (k·T, E)
+    position = ((order.cumsum(dim=0) - 1) * order).sum(dim=-1)                   # (k·T,)
+    position = position.view(k, T).t()                                           # (T, k)
+
+    kept = torch.ones_like(position, dtype=torch.bool) if capacity is None else position < capacity
+    slot = torch.where(kept, position, torch.full_like(position, -1))
+    return {"probs": probs, "expert_index": expert_index, "weight": weight, "kept": kept, "slot": slot}
+
+
+def gshard_random_routing(routing: dict[str, torch.Tensor], num_experts: int, capacity: int | None, *,
+                          generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """GShard's random second expert (arXiv:2006.16668 §2.2), off by default in the course.
+
+    A token's second choice is used only with probability ``2 · w_2`` (w_2 <= 1/2 after
+    renormalisation): a token whose router is nearly sure of its first expert rarely pays for a
+    second.  Unused second choices take no slot; the weights are NOT renormalised again.  Slots are
+    then re-assigned in the usual order.  Returns a new routing dict (top-2 only).
+    """
+    idx, w = routing["expert_index"], routing["weight"]
+    if idx.shape[1] != 2:
+        raise ValueError("random second-expert routing is defined for top-2 gating")
+    T, k = idx.shape
+    u = torch.rand(T, generator=generator, dtype=w.dtype, device=w.device)
+    active = torch.stack([torch.ones(T, dtype=torch.bool, device=idx.device), u < 2 * w[:, 1].detach()], 1)
+    order = (F.one_hot(idx, num_experts) * active.unsqueeze(-1)).transpose(0, 1).reshape(k * T, num_experts)
+    position = ((order.cumsum(dim=0) - 1) * order).sum(dim=-1).view(k, T).t()
+    kept = active if capacity is None else active & (position < capacity)
+    slot = torch.where(kept, position, torch.full_like(position, -1))
+    return {**routing, "kept": kept, "slot": slot}
+
+
+def load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor, num_experts: int, *,
+                        group=None) -> torch.Tensor:
+    """Switch's auxiliary load-balancing loss ``E · Σ_i f_i · P_i`` (arXiv:2101.03961 eq. 4-6).
+
+    probs: (T, E) router probabilities; expert_index: (T, k) choices, BEFORE capacity dropping.
+
+        f_i = (assignments to expert i) / (k · T)     fraction of the k·T assignments
+        P_i = (1/T) Σ_t p_{t,i}                       mean router probability
+
+    Uniform probabilities give f_i = P_i = 1/E, so the loss is exactly 1.0 whatever the choices;
+    a collapsed router (every token to one expert with probability → 1) gives → E.  Only P carries
+    gradient (f is a count), pushing probability away from over-loaded experts.
+
+    Where code differs: Switch counts the top-1 choice; GShard (and DeepSpeed's top-2) counts only
+    first choices and scales by E²/E (mean instead of sum); HF's Mixtral loss counts all k choices
+    but does not divide by k, so its uniform value is k.  Multiply by the coefficient α yourself
+    (Switch: 0.01).
+
+    group: the process group the routing group's tokens are spread over (expert parallelism), or
+    None for no communication (all tokens are here).  Counts, probability sums and T are
+    all-reduced, so EVERY rank returns the loss of the concatenated batch.
+
+    Gradient across ranks.  Each rank then back-propagates its own copy of this global value.  The
+    all-reduced probability sum is built as ``local + (global - local).detach()``: its value is the
+    group's, its gradient reaches only this rank's own tokens, ∂L/∂p_{t,i} = E·f_i / T_group for
+    t on this rank.  Summing the router's gradient over the ranks (what the expert-parallel group
+    does for a replicated router) therefore counts the loss exactly once.  A differentiable
+    all-reduce (backward = all-reduce) would count it W times.  If the router's gradients are
+    instead AVERAGED over N data-parallel ranks (:func:`reference.moe.sync_moe_gradients`), the loss
+    acts with weight 1/EP-size: scale α by the expert-parallel size to keep Switch's α.
+    """
+    T, k = expert_index.shape
+    counts = F.one_hot(expert_index, num_experts).sum(dim=(0, 1)).to(probs.dtype)   # (E,)
+    prob_sum = probs.sum(dim=0)                                                       # (E,)
+    tokens = torch.tensor([float(T)], dtype=probs.dtype, device=probs.device)
+    if group is not None and comm.world_size(group) > 1:
+        packed = torch.cat([counts, prob_sum.detach(), tokens])
+        comm.all_reduce(packed, group=group, what="aux_loss")
+        counts, group_prob_sum, tokens = packed[:num_experts], packed[num_experts:-1], packed[-1:]
+        prob_sum = prob_sum + (group_prob_sum - prob_sum.detach())   # value global, gradient local
+    f = counts / (k * tokens)
+    P = prob_sum / tokens
+    return num_experts * (f * P).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss ``(1/T) Σ_t (log Σ_i exp h_{t,i})²`` (Zoph et al., arXiv:2202.08906 eq. 5).
+
+    logits: (T, E).  Penalises large logits, which make the router's softmax (and bf16 training)
+    unstable.  Computed in float32 or wider; ST-MoE weighs it by 1e-3.
+    """
+    return torch.logsumexp(logits.to(router_dtype(logits.dtype)), dim=-1).pow(2).mean()
