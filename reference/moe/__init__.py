@@ -12,6 +12,9 @@ Read them in that order.
 """
 from .routing import expert_capacity, gshard_random_routing, load_balancing_loss, router_z_loss, top_k_gating
 from .layer import Expert, MoELayer
+from .parallel import ExpertParallelMoE, all_to_all, combine, combine_dropless, dispatch, dispatch_dropless
+from .grad_sync import sync_moe_gradients
 
 __all__ = ["expert_capacity", "top_k_gating", "load_balancing_loss", "router_z_loss", "gshard_random_routing",
-           "Expert", "MoELayer"]
+           "Expert", "MoELayer", "all_to_all", "dispatch", "combine", "dispatch_dropless", "combine_dropless",
+           "ExpertParallelMoE", "sync_moe_gradients"]

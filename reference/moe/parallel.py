@@ -1,0 +1,318 @@
+"""Lecture 5b, part 3 — expert parallelism: experts live on different ranks, tokens travel.
+
+With W ranks and E experts, rank r holds experts ``r·E/W … (r+1)·E/W - 1`` (E_local = E/W of
+them) and a replica of the router.  Each rank routes its own T tokens (one routing group), sends
+every kept assignment to the rank that holds its expert, the experts run, and the results come
+back to the tokens' home ranks.  Two all-to-alls per layer, forward (and two more backward):
+this is a new axis, not a variant of tensor or pipeline parallelism — nothing is split inside
+an expert, and every rank computes at once.
+
+Padded, fixed-capacity path (GShard arXiv:2006.16668 §3.2, Switch arXiv:2101.03961 §2.2)
+-----------------------------------------------------------------------------------------
+Every rank fills a buffer of C slots for every expert, zeros where no token came, so every
+message has the same size (E_local·C rows per destination) whatever the routing::
+
+    rank 0's send buffer (E=4, W=2, C=2)            rank 1 receives, per local expert,
+                                                    C rows from each source rank
+     e0: [t3 ][t0 ]  ─┐ to rank 0                    e2: [r0:t1][r0:·][r1:t2][r1:t5]
+     e1: [t2 ][ · ]  ─┘                              e3: [r0:t4][r0:·][r1:t0][r1:·]
+     e2: [t1 ][ · ]  ─┐ to rank 1                   (E_local, W·C, d): rows s·C … s·C+C-1 came
+     e3: [t4 ][ · ]  ─┘                              from source rank s;  · = zero padding
+
+:func:`dispatch` builds the (E·C, d) buffer and all-to-alls it; :func:`combine` sends the
+experts' (E_local, W·C, d) outputs back the same way and forms ``y_t = Σ_j w_tj · out[e_tj, slot_tj]``
+over kept assignments (dropped ones contribute 0).  Bytes per rank per all-to-all are fixed:
+``(W-1)/W · E·C·d·bytes`` leave the rank — k-fold for top-k, since C ∝ k.
+
+Dropless path (variable splits; MegaBlocks arXiv:2211.15841 takes this further)
+---------------------------------------------------------------------------------
+No capacity, no padding: first exchange the counts (an all-to-all of E integers), then send
+exactly the assigned tokens with ``all_to_all_single`` and per-destination split sizes.  Some
+pairs of ranks may send nothing.  :func:`dispatch_dropless` / :func:`combine_dropless`.
+
+Backward of an all-to-all
+-------------------------
+An all-to-all is a linear map A: rank s's block for rank d becomes rank d's block from s.  Its
+adjoint Aᵀ is the all-to-all with the send and receive splits swapped: the gradient of what rank d
+received from s goes back to s.  ``<A x, g> = <x, Aᵀ g>`` (summed over ranks) is tested.
+:func:`all_to_all` is that differentiable all-to-all (equal or variable splits).
+
+Trace
+-----
+Every all-to-all is a ``comm.all_to_all_single`` event with ``meta["what"]`` in ``"counts"``,
+``"dispatch"``, ``"combine"`` (and ``"dispatch.backward"``, ``"combine.backward"`` when
+gradients flow), ``meta["send_splits"]`` rows per destination (padding included) and
+``meta["tokens_per_dest"]`` REAL tokens per destination.  In the padded path a rank that sends
+expert outputs back in :func:`combine` does not know, without another message, how many of the
+rows it returns are padding; there ``tokens_per_dest`` counts all rows and ``tokens_per_src``
+says how many of this rank's own tokens come back from each rank (= what that rank received in
+the dispatch).  Each forward also records the routing decision as one ``route`` event per rank
+(``meta``: expert_index, weight, kept, slot as lists; num_experts, k, capacity) and the experts'
+work as a ``compute`` event with ``what="experts"`` and ``tokens_per_expert``.  The routing
+decision is returned in ``stats["routing"]`` as well.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm, trace
+from .layer import MoELayer, emit_route, route
+from .routing import expert_capacity, load_balancing_loss, router_z_loss
+
+__all__ = ["all_to_all", "dispatch", "combine", "dispatch_dropless", "combine_dropless", "ExpertParallelMoE"]
+
+
+# ----------------------------------------------------------------------------------------------
+# A differentiable all-to-all
+
+
+def _all_to_all_rows(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, **meta) -> torch.Tensor:
+    out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+    if not dist.is_initialized():          # one process, nothing to exchange
+        return out.copy_(x)
+    return comm.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group, **meta)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: rows ``send_splits[d]`` go to rank d.  Backward: the same with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group, meta):
+        ctx.splits, ctx.group, ctx.meta = (send_splits, recv_splits), group, meta
+        return _all_to_all_rows(x, send_splits, recv_splits, group, **meta)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        meta = {**ctx.meta, "what": ctx.meta.get("what", "all_to_all") + ".backward",
+                "tokens_per_dest": list(recv_splits)}
+        return _all_to_all_rows(grad, recv_splits, send_splits, ctx.group, **meta), None, None, None, None
+
+
+def all_to_all(x: torch.Tensor, send_splits: list[int] | None = None, recv_splits: list[int] | None = None, *,
+               group=None, what: str = "all_to_all", tokens_per_dest: list[int] | None = None,
+               **meta) -> torch.Tensor:
+    """Differentiable all-to-all of the rows of ``x`` (first dimension).
+
+    send_splits[d]: rows of ``x`` for group rank d (in order); recv_splits[s]: rows that arrive from
+    rank s.  None: equal splits, ``x.shape[0] / W`` each.  Returns the received rows, in source
+    order.  Backward is the all-to-all with the splits swapped (the adjoint).  ``what``,
+    ``tokens_per_dest`` (default: the send splits) and ``meta`` go into the trace event.
+    """
+    W = comm.world_size(group)
+    if send_splits is None:
+        if x.shape[0] % W:
+            raise ValueError(f"equal-split all-to-all needs rows divisible by {W}, got {x.shape[0]}")
+        send_splits = [x.shape[0] // W] * W
+    if recv_splits is None:
+        recv_splits = list(send_splits)
+    if len(send_splits) != W or len(recv_splits) != W or sum(send_splits) != x.shape[0]:
+        raise ValueError(f"splits must have {W} entries and send_splits must sum to {x.shape[0]}; "
+                         f"got send {send_splits}, recv {recv_splits}")
+    meta = {"what": what, "tokens_per_dest": list(send_splits) if tokens_per_dest is None else list(tokens_per_dest),
+            **meta}
+    return _AllToAll.apply(x, list(send_splits), list(recv_splits), group, meta)
+
+
+# ----------------------------------------------------------------------------------------------
+# Padded, fixed-capacity dispatch and combine (exercise 5b.3)
+
+
+def _kept_assignments(routing):
+    """(t, j) of the kept assignments and their row ``e·C + slot`` in an (E·C, d) expert buffer."""
+    t, j = torch.nonzero(routing["kept"], as_tuple=True)
+    return t, j, routing["expert_index"][t, j]
+
+
+def dispatch(x: torch.Tensor, routing: dict, num_experts: int, capacity: int, group=None) -> torch.Tensor:
+    """Send each kept assignment to the rank holding its expert; padded to ``capacity`` per expert.
+
+    x: (T, d) this rank's tokens; routing: from :func:`top_k_gating`.  Returns (E_local, W·C, d):
+    for each of this rank's experts, C slots from each source rank in rank order (zeros where no
+    token was assigned).
+    """
+    W, (T, d) = comm.world_size(group), x.shape
+    E_local = num_experts // W
+    t, j, e = _kept_assignments(routing)
+    rows = e * capacity + routing["slot"][t, j]
+    buffer = x.new_zeros(num_experts * capacity, d).index_add(0, rows, x[t])           # (E·C, d)
+    tokens_per_dest = torch.bincount(e // E_local, minlength=W).tolist()
+    received = all_to_all(buffer, group=group, what="dispatch", tokens_per_dest=tokens_per_dest)
+    return received.view(W, E_local, capacity, d).transpose(0, 1).reshape(E_local, W * capacity, d)
+
+
+def combine(expert_out: torch.Tensor, routing: dict, num_experts: int, capacity: int, group=None) -> torch.Tensor:
+    """Return the experts' outputs to the tokens' home ranks and mix them with the combine weights.
+
+    expert_out: (E_local, W·C, d) laid out as :func:`dispatch` returns.  Returns (T, d):
+    ``y_t = Σ_j w_tj · out[e_tj, slot_tj]`` over kept assignments; dropped ones contribute 0.
+    """
+    W, T = comm.world_size(group), routing["kept"].shape[0]
+    E_local, _, d = expert_out.shape
+    send = expert_out.view(E_local, W, capacity, d).transpose(0, 1).reshape(W * E_local * capacity, d)
+    t, j, e = _kept_assignments(routing)
+    tokens_back = torch.bincount(e // E_local, minlength=W).tolist()
+    back = all_to_all(send, group=group, what="combine", tokens_per_dest=[E_local * capacity] * W,
+                      tokens_per_src=tokens_back)
+    rows = e * capacity + routing["slot"][t, j]                                         # into (E·C, d)
+    w = routing["weight"][t, j].unsqueeze(-1).to(back.dtype)
+    return back.new_zeros(T, d).index_add(0, t, w * back[rows])
+
+
+# ----------------------------------------------------------------------------------------------
+# Dropless: variable splits, counts first
+
+
+def _dropless_order(routing: dict, num_experts: int):
+    """All assignments sorted by (expert, slot): the order they are sent in; counts per expert."""
+    T, k = routing["expert_index"].shape
+    t, j, e = _kept_assignments(routing)
+    order = (e * (k * T) + routing["slot"][t, j]).argsort()
+    t, j, e = t[order], j[order], e[order]
+    return t, j, torch.bincount(e, minlength=num_experts)
+
+
+def dispatch_dropless(x: torch.Tensor, routing: dict, num_experts: int, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Variable-size dispatch: exchange counts, then exactly the assigned tokens.
+
+    Returns ``(x_recv, recv_counts)``: x_recv (N, d) with rows grouped by source rank, then local
+    expert, then slot; recv_counts (W, E_local) long, rows from source s for local expert e.
+    """
+    W = comm.world_size(group)
+    E_local = num_experts // W
+    t, _, counts = _dropless_order(routing, num_experts)
+    recv_counts = _all_to_all_rows(counts, [E_local] * W, [E_local] * W, group, what="counts",
+                                   tokens_per_dest=[0] * W).view(W, E_local)
+    send_splits = counts.view(W, E_local).sum(1).tolist()
+    recv_splits = recv_counts.sum(1).tolist()
+    x_recv = all_to_all(x[t], send_splits, recv_splits, group=group, what="dispatch")
+    return x_recv, recv_counts
+
+
+def combine_dropless(expert_out: torch.Tensor, routing: dict, num_experts: int, recv_counts: torch.Tensor,
+                     group=None) -> torch.Tensor:
+    """Send expert outputs (laid out as :func:`dispatch_dropless` returned) back; weighted sum (T, d)."""
+    W, T = comm.world_size(group), routing["kept"].shape[0]
+    t, j, counts = _dropless_order(routing, num_experts)
+    back = all_to_all(expert_out, recv_counts.sum(1).tolist(), counts.view(W, -1).sum(1).tolist(),
+                      group=group, what="combine")
+    w = routing["weight"][t, j].unsqueeze(-1).to(back.dtype)
+    return back.new_zeros(T, expert_out.shape[1]).index_add(0, t, w * back)
+
+
+# ----------------------------------------------------------------------------------------------
+# The expert-parallel layer
+
+
+def _world_if_none(group):
+    return group if group is not None or not dist.is_initialized() else dist.group.WORLD
+
+
+class ExpertParallelMoE(nn.Module):
+    """An :class:`MoELayer` whose experts are spread over the ranks of ``group``.
+
+    Build it on every rank from the same layer with :meth:`from_layer`.  ``forward(x)`` on rank r
+    computes what ``layer(x)`` computes for these T tokens (one routing group), outputs and
+    gradients, with two differences that make it a group: ``stats["aux_loss"]`` is the
+    load-balancing loss of the whole group's batch (equal on every rank, gradient of each rank's
+    own share: see :func:`load_balancing_loss`), and each expert's gradient sums the
+    contributions of every rank's tokens.  The router is a replica: sum its gradient over the
+    group (or average with the data-parallel group: :func:`reference.moe.sync_moe_gradients`).
+
+    In capacity mode every rank must pass the same T (GShard's equal-sized groups): checked with a
+    two-number all-reduce, ValueError on every rank otherwise.
+    """
+
+    def __init__(self, router: nn.Linear, experts: nn.ModuleList, *, num_experts: int, k: int,
+                 capacity_factor: float, dropless: bool, group=None, jitter: float = 0.0,
+                 random_second_expert: bool = False):
+        super().__init__()
+        self.router, self.experts = router, experts
+        self.num_experts, self.k, self.capacity_factor, self.dropless = num_experts, k, capacity_factor, dropless
+        self.jitter, self.random_second_expert = jitter, random_second_expert
+        self.group = group
+        self.d_model = router.in_features
+
+    @classmethod
+    def from_layer(cls, layer: MoELayer, group=None) -> "ExpertParallelMoE":
+        """Keep the router (copied) and experts ``[r·E/W, (r+1)·E/W)`` (copied) of ``layer``."""
+        W, r, E = comm.world_size(group), comm.rank(group), layer.num_experts
+        if E % W:
+            raise ValueError(f"{E} experts cannot be split evenly over {W} ranks")
+        E_local = E // W
+        experts = nn.ModuleList(copy.deepcopy(layer.experts[i]) for i in range(r * E_local, (r + 1) * E_local))
+        return cls(copy.deepcopy(layer.router), experts, num_experts=E, k=layer.k,
+                   capacity_factor=layer.capacity_factor, dropless=layer.dropless, group=group,
+                   jitter=layer.jitter, random_second_expert=layer.random_second_expert)
+
+    @property
+    def first_expert(self) -> int:
+        """Global index of this rank's first expert."""
+        return comm.rank(self.group) * len(self.experts)
+
+    def _check_equal_tokens(self, T: int) -> None:
+        if comm.world_size(self.group) == 1 or not dist.is_initialized():
+            return
+        t = torch.tensor([T, -T], dtype=torch.long)
+        comm.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, what="check_tokens")
+        if t[0] != -t[1]:
+            raise ValueError(f"capacity mode needs the same number of tokens on every rank, got between "
+                             f"{int(t[0])} and {int(-t[1])} (use dropless=True for uneven batches)")
+
+    def _run_experts_dropless(self, x_recv: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        """Run local expert e on its rows of ``x_recv`` (grouped source-major, see dispatch_dropless).
+
+        Rows are gathered expert by expert and put back in place by one permutation.  Every expert
+        runs, even on 0 rows, so the backward graph always reaches the dispatch all-to-all: a rank
+        whose experts got no tokens must still take part in the backward all-to-all, or its peers
+        wait for it forever.
+        """
+        E_local = len(self.experts)
+        local_expert = torch.arange(E_local).repeat(recv_counts.shape[0])            # per (source, expert) block
+        row_expert = torch.repeat_interleave(local_expert, recv_counts.flatten())    # (N,)
+        perm = torch.argsort(row_expert, stable=True)                                # rows, expert-major
+        parts = torch.split(x_recv[perm], recv_counts.sum(0).tolist())
+        out_sorted = torch.cat([expert(part) for expert, part in zip(self.experts, parts)])
+        return out_sorted[torch.argsort(perm)]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        if x.dim() != 2 or x.shape[1] != self.d_model:
+            raise ValueError(f"ExpertParallelMoE expects tokens of shape (T, {self.d_model}), got {tuple(x.shape)}")
+        T, E, group = x.shape[0], self.num_experts, self.group
+        if not self.dropless:
+            self._check_equal_tokens(T)
+        capacity = None if self.dropless else expert_capacity(T, E, self.k, self.capacity_factor)
+        logits, routing = route(x, self.router, k=self.k, capacity=capacity, num_experts=E, jitter=self.jitter,
+                                random_second_expert=self.random_second_expert, training=self.training)
+        emit_route(routing, num_experts=E, capacity=capacity, k=self.k, where="expert_parallel")
+        idx, kept = routing["expert_index"], routing["kept"]
+        aux_loss = load_balancing_loss(routing["probs"], idx, E, group=_world_if_none(group))
+
+        if self.dropless:
+            x_recv, recv_counts = dispatch_dropless(x, routing, E, group)
+            per_expert = recv_counts.sum(0)                                         # (E_local,)
+            with trace.span("compute", what="experts", tokens_per_expert=per_expert.tolist()):
+                out = self._run_experts_dropless(x_recv, recv_counts)
+            y = combine_dropless(out, routing, E, recv_counts, group)
+        else:
+            x_disp = dispatch(x, routing, E, capacity, group)                       # (E_local, W·C, d)
+            with trace.span("compute", what="experts", tokens_per_expert=[x_disp.shape[1]] * len(self.experts)):
+                out = torch.stack([expert(xe) for expert, xe in zip(self.experts, x_disp)])
+            y = combine(out, routing, E, capacity, group)
+
+        kept_per_expert = torch.bincount(idx[kept], minlength=E)
+        stats = {
+            "aux_loss": aux_loss,
+            "z_loss": router_z_loss(logits),
+            "tokens_per_expert": torch.bincount(idx.flatten(), minlength=E),
+            "kept_per_expert": kept_per_expert,
+            "dropped": int((~kept).sum()),
+            "dispatched": int(kept.sum()),
+            "capacity": capacity,
+            "routing": routing,
+        }
+        return y, stats

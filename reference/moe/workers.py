@@ -1,0 +1,150 @@
+"""Rank functions that check the expert-parallel layer against the single-process one.
+
+Used by ``tests/test_moe_*.py`` (and handy in a notebook): each runs on every rank of a world,
+builds the same seeded :class:`MoELayer` everywhere, computes the single-process ground truth for
+the whole batch on each rank (cheap at test sizes), runs the expert-parallel layer on this
+rank's share, and returns both as plain tensors for the caller to compare.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from .grad_sync import sync_moe_gradients
+from .layer import MoELayer
+from .parallel import ExpertParallelMoE, all_to_all
+from .routing import load_balancing_loss
+
+
+def _grads(module) -> list[torch.Tensor]:
+    """Gradients of a module's parameters, zeros for parameters that got none (an unused expert)."""
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
+
+
+def _skew_router(layer: MoELayer, hot_experts: list[int]) -> None:
+    """Make every token prefer ``hot_experts`` (feature 0 of the inputs is set to a large value)."""
+    with torch.no_grad():
+        layer.router.weight[:, 0] = -3.0
+        for i, e in enumerate(hot_experts):
+            layer.router.weight[e, 0] = 3.0 + 0.5 * i
+
+
+def make_case(cfg: dict, world_size: int):
+    """The seeded layer, per-rank inputs and upstream gradients for one test case."""
+    torch.manual_seed(cfg.get("seed", 0))
+    E, d, d_ff = cfg["num_experts"], cfg.get("d_model", 6), cfg.get("d_ff", 10)
+    layer = MoELayer(d, d_ff, E, k=cfg["k"], capacity_factor=cfg.get("capacity_factor", 1.0),
+                     dropless=cfg.get("dropless", False)).double()
+    T = cfg.get("tokens", 16)
+    sizes = [T + (r * cfg.get("uneven", 0)) for r in range(world_size)]
+    xs = [cfg.get("scale", 1.0) * torch.randn(n, d, dtype=torch.float64) for n in sizes]
+    gs = [torch.randn(n, d, dtype=torch.float64) for n in sizes]
+    if cfg.get("hot_experts"):
+        _skew_router(layer, cfg["hot_experts"])
+        for x in xs:
+            x[:, 0] = 4.0
+    return layer, xs, gs
+
+
+def single_process_truth(layer: MoELayer, xs, gs, c_aux: float, c_z: float) -> dict:
+    """Ground truth: each rank's tokens are one routing group of ``layer``; the aux loss is the
+    whole batch's.  J = Σ_r <g_r, y_r> + c_aux · aux(all tokens) + c_z · Σ_r z_r."""
+    layer.zero_grad()
+    xs = [x.clone().requires_grad_() for x in xs]
+    ys, stats = zip(*(layer(x) for x in xs))
+    aux = load_balancing_loss(torch.cat([s["routing"]["probs"] for s in stats]),
+                              torch.cat([s["routing"]["expert_index"] for s in stats]), layer.num_experts)
+    J = sum((g * y).sum() for g, y in zip(gs, ys)) + c_aux * aux + c_z * sum(s["z_loss"] for s in stats)
+    J.backward()
+    return {"y": [y.detach() for y in ys], "x_grad": [x.grad for x in xs], "aux": aux.detach(),
+            "z": [s["z_loss"].detach() for s in stats], "router_grad": layer.router.weight.grad.clone(),
+            "expert_grads": [_grads(ex) for ex in layer.experts],
+            "tokens_per_expert": [s["tokens_per_expert"] for s in stats],
+            "kept_per_expert": [s["kept_per_expert"] for s in stats],
+            "dropped": [s["dropped"] for s in stats], "capacity": [s["capacity"] for s in stats]}
+
+
+def ep_vs_single(cfg: dict) -> dict:
+    """Expert-parallel forward + backward on this rank, and the single-process truth."""
+    W, r = comm.world_size(), comm.rank()
+    c_aux, c_z = cfg.get("c_aux", 0.3), cfg.get("c_z", 0.05)
+    layer, xs, gs = make_case(cfg, W)
+    truth = single_process_truth(layer, xs, gs, c_aux, c_z)
+
+    ep = ExpertParallelMoE.from_layer(layer)
+    x = xs[r].clone().requires_grad_()
+    y, st = ep(x)
+    ((gs[r] * y).sum() + c_aux * st["aux_loss"] + c_z * st["z_loss"]).backward()
+    E_local = len(ep.experts)
+    return {
+        "rank": r, "world_size": W, "first_expert": r * E_local,
+        "y": y.detach(), "x_grad": x.grad, "aux": st["aux_loss"].detach(), "z": st["z_loss"].detach(),
+        "router_grad": ep.router.weight.grad,
+        "expert_grads": [_grads(ex) for ex in ep.experts],
+        "dispatched": st["dispatched"], "dropped": st["dropped"], "capacity": st["capacity"],
+        "tokens_per_expert": st["tokens_per_expert"], "kept_per_expert": st["kept_per_expert"],
+        "truth": {key: (val[r] if key in ("y", "x_grad", "z", "tokens_per_expert", "kept_per_expert",
+                                          "dropped", "capacity") else val)
+                  for key, val in truth.items()},
+    }
+
+
+def all_to_all_adjoint(rows_per_dest: list[list[int]], d: int, seed: int = 0) -> dict:
+    """<A x, g> on this rank and <x, Aᵀ g>, where A is :func:`all_to_all` with the given splits
+    (``rows_per_dest[s][t]`` rows go from rank s to rank t) and Aᵀ is what autograd computes."""
+    W, r = comm.world_size(), comm.rank()
+    send = rows_per_dest[r]
+    recv = [rows_per_dest[s][r] for s in range(W)]
+    gen = torch.Generator().manual_seed(seed + r)
+    x = torch.randn(sum(send), d, dtype=torch.float64, generator=gen).requires_grad_()
+    g = torch.randn(sum(recv), d, dtype=torch.float64, generator=gen)
+    Ax = all_to_all(x, send, recv, what="adjoint_test")
+    (Ax * g).sum().backward()
+    return {"Ax_dot_g": float((Ax.detach() * g).sum()), "x_dot_ATg": float((x.detach() * x.grad).sum()),
+            "Ax": Ax.detach(), "x": x.detach(), "grad_shape": tuple(x.grad.shape)}
+
+
+def ep_dp_grad_sync(cfg: dict, divide_by: str = "dp") -> dict:
+    """EP × DP on 4 ranks: EP groups {0,1}, {2,3}; expert-data-parallel groups {0,2}, {1,3};
+    the data-parallel group is the world.  Returns the synced gradients and the single-process
+    truth of the averaged objective  (1/N) Σ_r [<g_r, y_r> + c_aux · aux(EP group of r)].
+
+    divide_by="expert_dp" reproduces the classic bug (expert grads divided by the expert-dp size).
+    """
+    N, r = comm.world_size(), comm.rank()
+    ep_size = cfg.get("ep_size", 2)
+    ep_groups = [comm.new_group(list(range(i, i + ep_size))) for i in range(0, N, ep_size)]
+    edp_groups = [comm.new_group(list(range(i, N, ep_size))) for i in range(ep_size)]
+    ep_group, edp_group = ep_groups[r // ep_size], edp_groups[r % ep_size]
+    c_aux = cfg.get("c_aux", 0.3)
+    layer, xs, gs = make_case(cfg, N)
+
+    # Truth: one process, the mean over the N ranks' objectives; aux over each EP group's batch.
+    layer.zero_grad()
+    J = 0.0
+    for grp in range(N // ep_size):
+        members = range(grp * ep_size, (grp + 1) * ep_size)
+        outs = [layer(xs[m]) for m in members]
+        aux = load_balancing_loss(torch.cat([s["routing"]["probs"] for _, s in outs]),
+                                  torch.cat([s["routing"]["expert_index"] for _, s in outs]), layer.num_experts)
+        J = J + sum((gs[m] * y).sum() for m, (y, _) in zip(members, outs)) + c_aux * aux
+    (J / N).backward()
+    truth_router = layer.router.weight.grad.clone()
+    truth_experts = [_grads(ex) for ex in layer.experts]
+
+    ep = ExpertParallelMoE.from_layer(layer, group=ep_group)
+    y, st = ep(xs[r])
+    ((gs[r] * y).sum() + c_aux * st["aux_loss"]).backward()
+    dense = list(ep.router.parameters())
+    experts = [p for ex in ep.experts for p in ex.parameters()]
+    if divide_by == "dp":
+        sync_moe_gradients(dense, experts, dp_group=None, expert_dp_group=edp_group)
+    else:  # the bug: average the expert grads over the expert-data-parallel group only
+        sync_moe_gradients(dense, [], dp_group=None, expert_dp_group=edp_group)
+        for p in experts:
+            comm.all_reduce(p.grad, group=edp_group)
+            p.grad /= comm.world_size(edp_group)
+    first = comm.rank(ep_group) * len(ep.experts)
+    return {"router_grad": ep.router.weight.grad, "truth_router": truth_router,
+            "expert_grads": [_grads(ex) for ex in ep.experts],
+            "truth_experts": truth_experts[first:first + len(ep.experts)]}
