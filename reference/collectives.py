@@ -19,7 +19,8 @@ reduce-scatter rank ``r`` sends chunk ``(r - s) mod N`` to rank ``r+1`` and adds
 Every step posts its send and receive together (``comm.exchange``), never a blocking send then a
 blocking receive: if every rank sends first, every rank waits for a receiver that never comes.
 
-Each message is traced with ``meta={"phase": "reduce-scatter" | "all-gather", "chunk": c}``.
+Each message is traced with ``meta={"phase": "reduce-scatter" | "all-gather", "chunk": c}`` (on a
+send event the chunk sent, on a receive event the chunk received).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def _ring_pass(chunks: list[torch.Tensor], first: int, reduce: bool, phase: str,
         send_c, recv_c = (first - s) % n, (first - s - 1) % n
         buf = torch.empty_like(chunks[recv_c])
         comm.exchange([(chunks[send_c], nxt)], [(buf, prv)], group=group, step=s,
-                      phase=phase, chunk=recv_c).wait()
+                      phase=phase, chunk=send_c, recv_meta={"chunk": recv_c}).wait()
         if reduce:
             chunks[recv_c] += buf
         else:

@@ -105,9 +105,10 @@ class Pending:
     flight, not how long the rank was stuck.
     """
 
-    def __init__(self, works, sends, recvs, step, meta, t_post):
+    def __init__(self, works, sends, recvs, step, meta, t_post, recv_meta=None):
         self._works, self._sends, self._recvs = works, sends, recvs
         self._step, self._meta, self._t_post = step, meta, t_post
+        self._recv_meta = {**meta, **(recv_meta or {})}
         self._done = False
 
     def wait(self) -> list[torch.Tensor]:
@@ -130,15 +131,17 @@ class Pending:
                                end=t_end, **self._meta)
                 for t, s in self._recvs:
                     trace.emit("recv", peer=s, nbytes=nbytes(t), step=self._step, start=self._t_post,
-                               end=t_end, **self._meta)
+                               end=t_end, **self._recv_meta)
         return [t for t, _ in self._recvs]
 
 
 def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]], *,
-             group=None, step: int | None = None, **meta: Any) -> Pending:
+             group=None, step: int | None = None, recv_meta: dict[str, Any] | None = None, **meta: Any) -> Pending:
     """Post every send ``(tensor, dst)`` and receive ``(buffer, src)`` of one step at once.
 
     Returns at once; call ``.wait()`` on the result when the received tensors are needed.
+    ``meta`` goes on every traced event; ``recv_meta`` overrides it on the receive events (e.g.
+    ``chunk=`` the id of the chunk sent vs the chunk received).
     """
     import time
     ops = [dist.P2POp(dist.isend, t, d, group=group) for t, d in sends]
@@ -146,7 +149,7 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
     t_post = time.perf_counter()
     with trace.quiet():
         works = dist.batch_isend_irecv(ops) if ops else []
-    return Pending(works, list(sends), list(recvs), step, meta, t_post)
+    return Pending(works, list(sends), list(recvs), step, meta, t_post, recv_meta)
 
 
 # ----------------------------------------------------------------------------------------------

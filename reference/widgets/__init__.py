@@ -1,0 +1,7 @@
+"""Widgets that replay traces of real runs.  Each is a pure state function (tested) plus a thin
+drawing and a :class:`~reference.widgets.player.Player`.
+
+    collective   lecture 0: ranks on a circle, chunks moving (any ring collective)
+    ring         lecture 5a: ring attention — K/V moving, the score matrix filling
+    routing      lecture 5b: tokens routed to experts, capacity buffers, all-to-all
+"""

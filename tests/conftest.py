@@ -1,0 +1,64 @@
+"""Shared test helpers: child-process accounting (no orphans) and kept-alive worlds."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+
+def descendants(pid: int | None = None) -> set[int]:
+    """PIDs of all living descendants of ``pid`` (default: this process), read from /proc."""
+    pid = os.getpid() if pid is None else pid
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] == "Z":  # a zombie is dead; only its parent's wait() is missing
+            continue
+        parents[int(entry)] = int(fields[1])
+    out, frontier = set(), {pid}
+    while frontier:
+        nxt = {c for c, p in parents.items() if p in frontier}
+        out |= nxt
+        frontier = nxt
+    return out
+
+
+@pytest.fixture
+def no_orphans():
+    """Fails the test if it leaves child processes behind (after a short grace period)."""
+    before = descendants()
+    yield
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        left = descendants() - before
+        if not left:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"processes left behind: {sorted(left)}")
+
+
+_worlds: dict[int, object] = {}
+
+
+@pytest.fixture(scope="session")
+def world():
+    """``world(n)`` -> a kept-alive ``reference.launch.World`` of n ranks, shared by the session."""
+    from reference.launch import World
+
+    def get(n: int):
+        w = _worlds.get(n)
+        if w is None or not w.alive:
+            w = _worlds[n] = World(n, timeout=60, echo=False).start()
+        return w
+    yield get
+    for w in _worlds.values():
+        w.close()
+    _worlds.clear()

@@ -1,0 +1,188 @@
+"""reference.launch: results come back; every failure becomes a WorldError naming ranks, fast,
+with no process or port left behind."""
+from __future__ import annotations
+
+import socket
+import sys
+import time
+import types
+
+import pytest
+
+from reference.launch import World, WorldError, run_world
+from tests.workers import launch_workers as W
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def test_values_come_back_in_rank_order(world):
+    res = world(3).run(W.rank_and_size, "x")
+    assert res.values == [(0, 3, "x"), (1, 3, "x"), (2, 3, "x")]
+
+
+def test_single_rank_world_runs(world):
+    assert world(1).run(W.rank_and_size, 5).values == [(0, 1, 5)]
+
+
+def test_ranks_use_gloo_on_cpu(world):
+    assert world(2).run(W.gloo_device).values == [("cpu", "gloo")] * 2
+
+
+def test_what_ranks_print_reaches_the_caller_with_their_rank(capsys, world):
+    res = world(2).run(W.shout, "hello")
+    out = capsys.readouterr().out
+    # echo is off for the shared worlds; the output is still returned
+    assert "[rank 0] hello from rank 0" in res.output and "[rank 1] hello from rank 1" in res.output
+    assert "[rank 1] warning on rank 1" in res.output
+    w = World(2, echo=True)
+    try:
+        w.run(W.shout, "hi")
+    finally:
+        w.close()
+    out = capsys.readouterr().out
+    assert "[rank 0] hi from rank 0" in out and "[rank 1] hi from rank 1" in out
+
+
+def test_exception_names_rank_type_message_and_traceback_and_stops_the_others(no_orphans):
+    t0 = time.monotonic()
+    with pytest.raises(WorldError) as info:
+        run_world(W.raise_on, 3, 1, timeout=30)
+    e = info.value
+    assert time.monotonic() - t0 < 15, "the other ranks were not stopped at once"
+    assert isinstance(e, RuntimeError) and e.kind == "exception" and e.ranks == [1]
+    assert e.failures[1].exc_type == "ValueError"
+    msg = str(e)
+    assert "rank 1 raised ValueError: bad shape on rank 1" in msg
+    assert "Traceback" in msg and "launch_workers.py" in msg
+
+
+def test_error_on_every_rank_is_reported_for_every_rank(no_orphans):
+    with pytest.raises(WorldError) as info:
+        run_world(W.raise_everywhere, 4, timeout=30)
+    assert info.value.ranks == [0, 1, 2, 3]
+    assert all(f.exc_type == "ValueError" for f in info.value.failures.values())
+
+
+@pytest.mark.parametrize("worker, how", [(W.kill_self, "SIGKILL"), (W.segfault, "SIGSEGV"),
+                                         (W.exit_early, "exited with code 3"), (W.hard_exit, "exited with code 0")])
+def test_a_rank_that_dies_is_named_with_how_it_died_within_seconds(worker, how, no_orphans):
+    t0 = time.monotonic()
+    with pytest.raises(WorldError) as info:
+        run_world(worker, 3, 2, timeout=60)
+    e = info.value
+    assert time.monotonic() - t0 < 15
+    if worker is W.exit_early:  # sys.exit raises SystemExit inside the rank: reported as an exception
+        assert e.kind == "exception" and e.failures[2].exc_type == "SystemExit"
+    else:
+        assert e.kind == "died" and e.ranks == [2], str(e)
+        assert how in str(e)
+
+
+def test_blocking_ring_is_reported_as_deadlock_with_each_ranks_operation(no_orphans):
+    t0 = time.monotonic()
+    with pytest.raises(WorldError) as info:
+        run_world(W.blocking_ring, 3, timeout=3)
+    e = info.value
+    assert time.monotonic() - t0 < 12
+    assert e.kind == "timeout" and e.ranks == [0, 1, 2]
+    for r in range(3):
+        assert e.failures[r].blocked_in == f"send to rank {(r + 1) % 3}"
+    assert "blocking send" in str(e)
+
+
+def test_timeout_names_the_blocked_operation_and_ring_step(no_orphans):
+    with pytest.raises(WorldError) as info:
+        run_world(W.missing_message, 2, timeout=3)
+    e = info.value
+    assert e.kind == "timeout" and e.ranks == [0]
+    assert e.failures[0].blocked_in == "recv from rank 1 (step 2)"
+    assert "ranks 1 had finished" in str(e)
+
+
+def test_a_rank_that_never_finishes_is_reported_as_running(no_orphans):
+    with pytest.raises(WorldError) as info:
+        run_world(W.spin, 2, timeout=2)
+    assert info.value.kind == "timeout"
+    assert "no communication in progress" in str(info.value)
+
+
+def test_bad_arguments_raise_value_error_before_anything_starts(no_orphans):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="world_size"):
+            run_world(W.rank_and_size, bad, 1)
+    with pytest.raises(ValueError, match="lambda"):
+        run_world(lambda: 1, 2)
+
+    def nested():
+        return 1
+    with pytest.raises(ValueError, match="nested|lambda"):
+        run_world(nested, 2)
+    with pytest.raises(ValueError, match="arguments"):
+        run_world(W.rank_and_size, 2, (x for x in range(3)))
+
+
+def test_function_from_a_notebook_cell_is_refused_with_advice(monkeypatch):
+    fake_main = types.ModuleType("__main__")  # like a Jupyter kernel's: no __file__
+    monkeypatch.setitem(sys.modules, "__main__", fake_main)
+
+    def cell_fn():
+        return 1
+    cell_fn.__module__ = "__main__"
+    cell_fn.__qualname__ = "cell_fn"
+    with pytest.raises(ValueError, match="notebook cell"):
+        run_world(cell_fn, 2)
+
+
+def test_unpicklable_return_value_is_a_clear_error(no_orphans):
+    with pytest.raises(WorldError, match="cannot be sent back"):
+        run_world(W.unpicklable_result, 1)
+
+
+def test_port_is_released_and_no_process_left_after_success_and_failure(no_orphans):
+    w = World(2)
+    w.start()
+    port = w.port
+    assert not port_is_free(port)
+    w.run(W.rank_and_size, 1)
+    w.close()
+    assert port_is_free(port)
+    w2 = World(2, timeout=2)
+    w2.start()
+    port2 = w2.port
+    with pytest.raises(WorldError):
+        w2.run(W.spin)
+    assert port_is_free(port2)
+
+
+def test_each_world_gets_its_own_port():
+    a, b = World(1).start(), World(1).start()
+    try:
+        assert a.port != b.port
+    finally:
+        a.close()
+        b.close()
+
+
+def test_kept_alive_world_runs_again_in_well_under_a_second_and_restarts_after_failure(no_orphans):
+    with World(2, timeout=3) as w:
+        w.run(W.rank_and_size, 0)
+        t0 = time.perf_counter()
+        w.run(W.rank_and_size, 1)
+        assert time.perf_counter() - t0 < 1.0
+        with pytest.raises(WorldError):
+            w.run(W.raise_on, 0)
+        assert w.run(W.rank_and_size, 2).values == [(0, 2, 2), (1, 2, 2)]
+
+
+def test_raw_batch_isend_irecv_is_traced_and_a_second_wait_does_not_hang(world):
+    res = world(3).run(W.raw_p2p_ring, 8, timeout=10)
+    assert res.values == [2.0, 0.0, 1.0]
+    sends = res.trace.filter(op="send")
+    assert sorted((e.rank, e.peer, e.nbytes) for e in sends) == [(0, 1, 32), (1, 2, 32), (2, 0, 32)]

@@ -1,0 +1,109 @@
+"""Module-level functions run on ranks by tests/test_launch.py (ranks import them by name)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from reference import comm, trace
+
+
+def rank_and_size(x):
+    return (dist.get_rank(), dist.get_world_size(), x)
+
+
+def shout(word):
+    print(f"{word} from rank {dist.get_rank()}")
+    print(f"warning on rank {dist.get_rank()}", file=sys.stderr)
+    return dist.get_rank()
+
+
+def raise_on(bad_rank):
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"bad shape on rank {bad_rank}")
+    dist.barrier()  # the others wait for the failed rank and must be stopped
+
+
+def raise_everywhere():
+    raise ValueError(f"rank {dist.get_rank()}: sequence length 10 is not divisible by 4")
+
+
+def kill_self(bad_rank):
+    if dist.get_rank() == bad_rank:
+        os.kill(os.getpid(), 9)
+    dist.barrier()
+
+
+def segfault(bad_rank):
+    if dist.get_rank() == bad_rank:
+        ctypes.string_at(0)
+    dist.barrier()
+
+
+def exit_early(bad_rank):
+    if dist.get_rank() == bad_rank:
+        sys.exit(3)
+    dist.barrier()
+
+
+def hard_exit(bad_rank):
+    if dist.get_rank() == bad_rank:
+        os._exit(0)
+    dist.barrier()
+
+
+def blocking_ring():
+    r, w = dist.get_rank(), dist.get_world_size()
+    t = torch.zeros(16)
+    dist.send(t, (r + 1) % w)
+    dist.recv(t, (r - 1) % w)
+
+
+def missing_message():
+    """Rank 0 waits at ring step 2 for a message rank 1 never sends."""
+    r = dist.get_rank()
+    if r == 0:
+        comm.recv(torch.zeros(4), 1, step=2, what="kv")
+
+
+def spin():
+    while True:
+        time.sleep(0.01)
+
+
+def sleep_then_return(seconds):
+    time.sleep(seconds)
+    return dist.get_rank()
+
+
+def traced_collectives(numel):
+    """Library collectives through the comm wrappers, plus one compute span."""
+    x = torch.ones(numel, dtype=torch.float32)
+    comm.all_reduce(x)
+    parts = comm.all_gather(torch.ones(numel // dist.get_world_size()))
+    with trace.span("compute", step=0, pairs=7):
+        y = x * 2
+    return float(y.sum()), len(parts)
+
+
+def raw_p2p_ring(numel):
+    """A correct ring step written with raw torch.distributed calls (learners may do this)."""
+    r, w = dist.get_rank(), dist.get_world_size()
+    send, recv = torch.full((numel,), float(r)), torch.empty(numel)
+    ops = [dist.P2POp(dist.isend, send, (r + 1) % w), dist.P2POp(dist.irecv, recv, (r - 1) % w)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+        req.wait()  # a second wait hangs on plain gloo; the launcher makes it safe
+    return float(recv[0])
+
+
+def unpicklable_result():
+    return lambda: 1
+
+
+def gloo_device():
+    return str(torch.empty(1).device), dist.get_backend()
