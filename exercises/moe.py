@@ -1,0 +1,155 @@
+"""Lecture 5b exercises — the expert axis.  Reference: ``reference/moe/``.
+
+    5b.1  top_k_gating          route T tokens to their top-k experts, with capacity
+    5b.2  load_balancing_loss   Switch's auxiliary loss, group-wide under expert parallelism
+    5b.3  dispatch, combine     move tokens to the ranks holding their experts and back (all-to-all)
+    5b.4  sync_moe_gradients    gradient averaging when expert parallelism meets data parallelism
+
+Given (already written for you): :func:`expert_capacity` and :func:`router_dtype` below, and the
+traced collectives in ``reference.comm`` (``comm.all_reduce``, ``comm.all_to_all_single``, ...;
+plain ``torch.distributed`` works too).  Check your work with ``check("5b.1")`` in the notebook or
+``python -m exercises.grade 5b.1`` in a terminal.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F  # noqa: F401  (one_hot, softmax: you will want them)
+
+from reference import comm  # noqa: F401  (traced all_reduce / all_to_all_single)
+from reference.moe.routing import expert_capacity, router_dtype  # noqa: F401  (given)
+
+__all__ = ["expert_capacity", "router_dtype", "top_k_gating", "load_balancing_loss", "dispatch", "combine",
+           "sync_moe_gradients"]
+
+
+# ----------------------------------------------------------------------------------------------
+# 5b.1 — the router
+
+
+def top_k_gating(logits: torch.Tensor, k: int, capacity: int | None) -> dict[str, torch.Tensor]:
+    """Route T tokens to their top-k experts with capacity ``capacity`` (None: dropless).
+
+    logits: (T, E) router logits.  Returns a dict of tensors:
+
+        probs         (T, E) float32+  softmax over all experts
+        expert_index  (T, k) long      experts chosen, most probable first
+        weight        (T, k) float32+  combine weights: k = 1 raw probability (Switch); k >= 2
+                                       renormalised over the k chosen, before dropping (GShard)
+        kept          (T, k) bool      the assignment got a slot
+        slot          (T, k) long      position in its expert's buffer, -1 if dropped
+
+    Slot order: all first choices in token order, then all second choices, ...  The assignment
+    (t, j) to expert e takes slot = number of assignments to e that come before it in the order
+    (j=0, t=0), (j=0, t=1), ..., (j=0, t=T-1), (j=1, t=0), ...; it is kept if slot < capacity.
+    """
+    raise NotImplementedError(
+        "Exercise 5b.1: top-k gating. Hints: (1) probs = softmax over ALL E experts of "
+        "logits.to(router_dtype(logits.dtype)); (2) probs.topk(k) gives the choices, most probable first; "
+        "(3) k = 1: the weight is the raw probability; k >= 2: divide the k probabilities by their sum "
+        "(before any dropping); (4) slots: one_hot(expert_index, E) is (T, k, E); put it in priority order "
+        "choice-major (.transpose(0, 1).reshape(k*T, E)), a cumsum down that order counts how many "
+        "assignments to the same expert came before; (5) kept = slot < capacity (all kept if capacity is "
+        "None); slot = -1 where dropped.")
+
+
+# ----------------------------------------------------------------------------------------------
+# 5b.2 — the load-balancing loss
+
+
+def load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor, num_experts: int, *,
+                        group=None) -> torch.Tensor:
+    """Switch's auxiliary load-balancing loss ``E · Σ_i f_i · P_i`` (arXiv:2101.03961 eq. 4-6).
+
+    probs: (T, E) router probabilities; expert_index: (T, k) choices, BEFORE capacity dropping.
+
+        f_i = (assignments to expert i) / (k · T)     fraction of the k·T assignments
+        P_i = (1/T) Σ_t p_{t,i}                       mean router probability
+
+    Uniform probabilities give f_i = P_i = 1/E, so the loss is exactly 1.0 whatever the choices;
+    a collapsed router (every token to one expert with probability → 1) gives → E.  Only P carries
+    gradient (f is a count), pushing probability away from over-loaded experts.
+
+    Where code differs: Switch counts the top-1 choice; GShard (and DeepSpeed's top-2) counts only
+    first choices and scales by E²/E (mean instead of sum); HF's Mixtral loss counts all k choices
+    but does not divide by k, so its uniform value is k.  Multiply by the coefficient α yourself
+    (Switch: 0.01).
+
+    group: the process group the routing group's tokens are spread over (expert parallelism), or
+    None for no communication (all tokens are here).  Counts, probability sums and T are
+    all-reduced, so EVERY rank returns the loss of the concatenated batch.
+
+    Gradient across ranks.  Each rank then back-propagates its own copy of this global value.  The
+    all-reduced probability sum is built as ``local + (global - local).detach()``: its value is the
+    group's, its gradient reaches only this rank's own tokens, ∂L/∂p_{t,i} = E·f_i / T_group for
+    t on this rank.  Summing the router's gradient over the ranks (what the expert-parallel group
+    does for a replicated router) therefore counts the loss exactly once.  A differentiable
+    all-reduce (backward = all-reduce) would count it W times.  If the router's gradients are
+    instead AVERAGED over N data-parallel ranks (:func:`reference.moe.sync_moe_gradients`), the loss
+    acts with weight 1/EP-size: scale α by the expert-parallel size to keep Switch's α.
+    """
+    raise NotImplementedError(
+        "Exercise 5b.2: load-balancing loss. Hints: counts = one_hot(expert_index, E).sum over tokens and "
+        "choices; prob_sum = probs.sum(0); T = number of tokens. With a group of more than one rank, "
+        "all-reduce [counts, prob_sum.detach(), T] in ONE tensor (comm.all_reduce) — the loss is a product "
+        "of two means, so a mean of per-rank losses is wrong. Keep the gradient local: "
+        "prob_sum + (global_prob_sum - prob_sum).detach(). Then f = counts / (k·T), P = prob_sum / T, "
+        "loss = E · (f · P).sum().")
+
+
+# ----------------------------------------------------------------------------------------------
+# 5b.3 — dispatch and combine through all-to-all
+
+
+def dispatch(x: torch.Tensor, routing: dict, num_experts: int, capacity: int, group=None) -> torch.Tensor:
+    """Send each kept assignment to the rank holding its expert; padded to ``capacity`` per expert.
+
+    x: (T, d) this rank's tokens; routing: from :func:`top_k_gating`.  Returns (E_local, W·C, d):
+    for each of this rank's experts, C slots from each source rank in rank order (zeros where no
+    token was assigned).
+    """
+    raise NotImplementedError(
+        "Exercise 5b.3: dispatch. Hints: W = comm.world_size(group), E_local = E // W; expert e lives on rank "
+        "e // E_local. (1) Build a zero (E·C, d) buffer and put x[t] at row e·C + slot for every KEPT "
+        "assignment (t, j) (torch.nonzero(routing['kept']), index_add keeps it differentiable). (2) Rows "
+        "r·E_local·C ... of that buffer belong to rank r: an equal-split all-to-all of the rows sends them "
+        "there; it must be differentiable (its backward is the all-to-all of the gradient, splits swapped; "
+        "with one process it is a copy). (3) What arrives is (W, E_local, C, d) in source order: "
+        "reorder to (E_local, W·C, d).")
+
+
+def combine(expert_out: torch.Tensor, routing: dict, num_experts: int, capacity: int, group=None) -> torch.Tensor:
+    """Return the experts' outputs to the tokens' home ranks and mix them with the combine weights.
+
+    expert_out: (E_local, W·C, d) laid out as :func:`dispatch` returns.  Returns (T, d):
+    ``y_t = Σ_j w_tj · out[e_tj, slot_tj]`` over kept assignments; dropped ones contribute 0.
+    """
+    raise NotImplementedError(
+        "Exercise 5b.3: combine. Hints: undo dispatch's layout — (E_local, W·C, d) → (W, E_local, C, d) → "
+        "(W·E_local·C, d) rows, all-to-all them back (the same differentiable all-to-all as dispatch); now "
+        "row e·C + slot holds the output for your assignment (t, j) to expert e. Then "
+        "y = zeros(T, d).index_add(0, t, w_tj · rows) over KEPT assignments only — a slot of -1 would "
+        "index the last row.")
+
+
+# ----------------------------------------------------------------------------------------------
+# 5b.4 — expert parallelism × data parallelism
+
+
+def sync_moe_gradients(dense_params: Iterable[torch.Tensor], expert_params: Iterable[torch.Tensor], *,
+                       dp_group, expert_dp_group) -> None:
+    """Average gradients in place for EP × DP training (exercise 5b.4).
+
+    dense_params: replicated parameters; their ``.grad`` are all-reduced over ``dp_group`` (the
+    ranks that see different data; None = the world) and divided by its size N.
+    expert_params: this rank's experts; their ``.grad`` are summed over ``expert_dp_group`` (the
+    ranks holding the same experts) and divided by N as well — not by the expert-dp size.
+    Parameters without a gradient are skipped (the same ones on every rank).
+    """
+    raise NotImplementedError(
+        "Exercise 5b.4: sync_moe_gradients. Hints: N = comm.world_size(dp_group). Dense parameters: "
+        "all-reduce p.grad over dp_group, divide by N. Expert parameters: all-reduce p.grad over "
+        "expert_dp_group — the all-to-all already summed the whole EP group's tokens into each expert's "
+        "gradient — and divide by N too, NOT by the size of expert_dp_group. Skip parameters whose grad is "
+        "None; work in place.")
