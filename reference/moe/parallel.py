@@ -223,8 +223,9 @@ class ExpertParallelMoE(nn.Module):
     contributions of every rank's tokens.  The router is a replica: sum its gradient over the
     group (or average with the data-parallel group: :func:`reference.moe.sync_moe_gradients`).
 
-    In capacity mode every rank must pass the same T (GShard's equal-sized groups): checked with a
-    two-number all-reduce, ValueError on every rank otherwise.
+    In capacity mode every rank must pass the same T (GShard's equal-sized groups); dropless mode
+    takes any T per rank.  Inputs are checked with one small all-reduce first: a bad shape or an
+    uneven T on any rank raises ValueError on every rank.
     """
 
     def __init__(self, router: nn.Linear, experts: nn.ModuleList, *, num_experts: int, k: int,
@@ -254,14 +255,23 @@ class ExpertParallelMoE(nn.Module):
         """Global index of this rank's first expert."""
         return comm.rank(self.group) * len(self.experts)
 
-    def _check_equal_tokens(self, T: int) -> None:
-        if comm.world_size(self.group) == 1 or not dist.is_initialized():
-            return
-        t = torch.tensor([T, -T], dtype=torch.long)
-        comm.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, what="check_tokens")
-        if t[0] != -t[1]:
+    def _check_input(self, x: torch.Tensor) -> None:
+        """ValueError on EVERY rank if any rank's tokens are not (T, d_model), or (capacity mode)
+        if the ranks' T differ.  One all-reduce of three numbers, before any other message: a
+        rank that raised alone would leave its peers waiting in the all-to-all."""
+        ok = x.dim() == 2 and x.shape[1] == self.d_model
+        T = x.shape[0] if x.dim() >= 1 else 0
+        t = torch.tensor([int(ok), T, -T], dtype=torch.long)
+        if dist.is_initialized() and comm.world_size(self.group) > 1:
+            comm.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, what="check_input")
+        if not ok:
+            raise ValueError(f"ExpertParallelMoE expects tokens of shape (T, {self.d_model}), got {tuple(x.shape)}")
+        if t[0] == 0:
+            raise ValueError("another rank of the expert-parallel group passed tokens of the wrong shape "
+                             f"(expected (T, {self.d_model}))")
+        if not self.dropless and t[1] != -t[2]:
             raise ValueError(f"capacity mode needs the same number of tokens on every rank, got between "
-                             f"{int(t[0])} and {int(-t[1])} (use dropless=True for uneven batches)")
+                             f"{int(t[1])} and {int(-t[2])} (use dropless=True for uneven batches)")
 
     def _run_experts_dropless(self, x_recv: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
         """Run local expert e on its rows of ``x_recv`` (grouped source-major, see dispatch_dropless).
@@ -280,11 +290,8 @@ class ExpertParallelMoE(nn.Module):
         return out_sorted[torch.argsort(perm)]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        if x.dim() != 2 or x.shape[1] != self.d_model:
-            raise ValueError(f"ExpertParallelMoE expects tokens of shape (T, {self.d_model}), got {tuple(x.shape)}")
+        self._check_input(x)
         T, E, group = x.shape[0], self.num_experts, self.group
-        if not self.dropless:
-            self._check_equal_tokens(T)
         capacity = None if self.dropless else expert_capacity(T, E, self.k, self.capacity_factor)
         logits, routing = route(x, self.router, k=self.k, capacity=capacity, num_experts=E, jitter=self.jitter,
                                 random_second_expert=self.random_second_expert, training=self.training)

@@ -81,7 +81,7 @@ def ep_vs_single(cfg: dict) -> dict:
         "y": y.detach(), "x_grad": x.grad, "aux": st["aux_loss"].detach(), "z": st["z_loss"].detach(),
         "router_grad": ep.router.weight.grad,
         "expert_grads": [_grads(ex) for ex in ep.experts],
-        "dispatched": st["dispatched"], "dropped": st["dropped"], "capacity": st["capacity"],
+        "kept": st["routing"]["kept"], "dispatched": st["dispatched"], "dropped": st["dropped"], "capacity": st["capacity"],
         "tokens_per_expert": st["tokens_per_expert"], "kept_per_expert": st["kept_per_expert"],
         "truth": {key: (val[r] if key in ("y", "x_grad", "z", "tokens_per_expert", "kept_per_expert",
                                           "dropped", "capacity") else val)
@@ -148,3 +148,26 @@ def ep_dp_grad_sync(cfg: dict, divide_by: str = "dp") -> dict:
     return {"router_grad": ep.router.weight.grad, "truth_router": truth_router,
             "expert_grads": [_grads(ex) for ex in ep.experts],
             "truth_experts": truth_experts[first:first + len(ep.experts)]}
+
+
+def ep_bad_input(kinds: list[str]) -> list[str]:
+    """Feed the expert-parallel layer something wrong on ONE rank (or an uneven expert split).
+    Returns, per kind, the name of the exception THIS rank raised ("" if none): every rank must
+    raise ValueError, none may hang."""
+    W, r = comm.world_size(), comm.rank()
+    raised = []
+    for kind in kinds:
+        torch.manual_seed(0)
+        T = 8
+        x = torch.randn(T, 4, dtype=torch.float64)
+        if kind == "wrong_width" and r == W - 1:
+            x = torch.randn(T, 5, dtype=torch.float64)
+        elif kind == "unequal_tokens" and r == W - 1:
+            x = torch.randn(T + 1, 4, dtype=torch.float64)
+        try:
+            layer = MoELayer(4, 8, 3 if kind == "uneven_experts" else 4, k=1).double()
+            ExpertParallelMoE.from_layer(layer)(x)
+            raised.append("")
+        except Exception as e:  # noqa: BLE001 - the caller checks the type
+            raised.append(type(e).__name__)
+    return raised

@@ -1,0 +1,178 @@
+"""Expert parallelism (reference.moe.parallel, reference.moe.grad_sync) against the single-process MoELayer.
+
+Every case runs forward AND backward of ExpertParallelMoE on W ranks (1, 2, 4) with 8 experts
+and compares, in float64 at 1e-10, with the single-process layer applied to each rank's tokens:
+outputs, input gradients, router gradients summed over ranks, every expert's gradients, the
+group-wide aux loss and the z-loss.  The objective mixes all three: <g, y> + c_aux·aux + c_z·z.
+"""
+import pytest
+import torch
+
+from reference.launch import World
+from reference.moe import workers
+
+ATOL = RTOL = 1e-10
+
+CASES = {
+    # name: (config, whether assignments must be dropped)
+    "top1_cf1_drops": (dict(num_experts=8, k=1, capacity_factor=1.0), True),
+    "top1_cf4_keeps_all": (dict(num_experts=8, k=1, capacity_factor=4.0), False),
+    "top2_cf0.5_drops": (dict(num_experts=8, k=2, capacity_factor=0.5), True),
+    "top2_cf4_keeps_all": (dict(num_experts=8, k=2, capacity_factor=4.0), False),
+    "top2_cf1.25_large_logits": (dict(num_experts=8, k=2, capacity_factor=1.25, scale=20.0), True),
+    "dropless_top2_skewed_uneven_T": (dict(num_experts=8, k=2, dropless=True, hot_experts=[0, 1], uneven=3), False),
+    "dropless_top1_skewed": (dict(num_experts=8, k=1, dropless=True, hot_experts=[5]), False),
+    "dropless_top2_balanced": (dict(num_experts=8, k=2, dropless=True), False),
+}
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    started = {}
+
+    def get(W):
+        if W not in started:
+            started[W] = World(W, timeout=60, echo=False).start()
+        return started[W]
+
+    yield get
+    for w in started.values():
+        w.close()
+
+
+def close(a, b, what):
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.fixture(scope="module")
+def results(worlds):
+    """Run every case once per world size (each run costs milliseconds once ranks are up)."""
+    cache = {}
+
+    def get(W, name):
+        if (W, name) not in cache:
+            cache[W, name] = worlds(W).run(workers.ep_vs_single, CASES[name][0])
+        return cache[W, name]
+
+    return get
+
+
+@pytest.mark.parametrize("W", [1, 2, 4])
+@pytest.mark.parametrize("name", list(CASES))
+def test_expert_parallel_outputs_and_gradients_equal_single_process(results, W, name):
+    res = results(W, name)
+    vals = res.values
+    for v in vals:
+        t, r = v["truth"], v["rank"]
+        close(v["y"], t["y"], f"rank {r} output")
+        close(v["x_grad"], t["x_grad"], f"rank {r} input gradient")
+        close(v["z"], t["z"], f"rank {r} z-loss")
+        for i, grads in enumerate(v["expert_grads"]):
+            for a, b in zip(grads, t["expert_grads"][v["first_expert"] + i]):
+                close(a, b, f"expert {v['first_expert'] + i} gradient on rank {r}")
+    close(sum(v["router_grad"] for v in vals), vals[0]["truth"]["router_grad"], "router gradient summed over ranks")
+    # the case tests what its name says: drops happen, or none do
+    dropped = sum(v["dropped"] for v in vals)
+    assert (dropped > 0) == CASES[name][1], f"dropped={dropped}"
+
+
+@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("name", list(CASES))
+def test_aux_loss_is_the_whole_batch_value_on_every_rank(results, W, name):
+    vals = results(W, name).values
+    for v in vals:
+        close(v["aux"], v["truth"]["aux"], f"rank {v['rank']} aux loss")
+    # not simply the local value: with skewed or random routing the local losses differ
+    assert len({round(float(v["aux"]), 12) for v in vals}) == 1
+
+
+@pytest.mark.parametrize("W", [1, 2, 4])
+@pytest.mark.parametrize("name", ["top1_cf1_drops", "top2_cf0.5_drops"])
+def test_dropped_tokens_output_exactly_zero_and_dispatch_sends_min_count_capacity(results, W, name):
+    res = results(W, name)
+    for v in res.values:
+        gone = ~v["kept"].any(-1)
+        assert torch.equal(v["y"][gone], torch.zeros_like(v["y"][gone]))
+        C = v["capacity"]
+        want = int(v["tokens_per_expert"].clamp(max=C).sum())
+        assert v["dispatched"] == want
+        assert torch.equal(v["kept_per_expert"], v["tokens_per_expert"].clamp(max=C))
+        ev = res.trace.filter(op="all_to_all", rank=v["rank"], what="dispatch")
+        assert len(ev) == 1
+        assert sum(ev[0].meta["tokens_per_dest"]) == want
+        # padded: every destination gets E_local·C rows, whatever the routing
+        assert ev[0].meta["send_splits"] == [8 // W * C] * W
+    assert sum(int((~v["kept"].any(-1)).sum()) for v in res.values) > 0
+
+
+def test_skewed_dropless_routing_leaves_rank_pairs_that_send_nothing(results):
+    res = results(4, "dropless_top2_skewed_uneven_T")
+    for r in range(4):
+        counts = res.trace.filter(op="all_to_all", rank=r, what="dispatch")[0].meta["tokens_per_dest"]
+        assert counts[0] == 2 * (16 + 3 * r) and counts[1:] == [0, 0, 0]   # experts 0, 1 live on rank 0
+        back = res.trace.filter(op="all_to_all", rank=r, what="combine")[0].meta["send_splits"]
+        assert back == ([2 * (16 + 3 * s) for s in range(4)] if r == 0 else [0, 0, 0, 0])
+
+
+def test_trace_has_route_events_and_forward_backward_all_to_alls(results):
+    res = results(2, "top2_cf0.5_drops")
+    for r in range(2):
+        route = res.trace.filter(op="route", rank=r, where="expert_parallel")
+        assert len(route) == 1
+        m = route[0].meta
+        v = res.values[r]
+        assert m["kept"] == v["kept"].tolist() and m["k"] == 2 and m["num_experts"] == 8
+        assert len(m["expert_index"]) == 16 and len(m["weight"][0]) == 2 and len(m["slot"]) == 16
+        whats = [e.meta["what"] for e in res.trace.filter(op="all_to_all", rank=r)]
+        assert sorted(whats) == ["combine", "combine.backward", "dispatch", "dispatch.backward"]
+
+
+@pytest.mark.parametrize("W", [1, 2, 4])
+def test_all_to_all_backward_is_its_adjoint(worlds, W):
+    splits = {1: [[3]], 2: [[2, 0], [1, 4]], 4: [[1, 0, 2, 3], [0, 0, 0, 5], [2, 2, 0, 1], [3, 0, 1, 0]]}[W]
+    res = worlds(W).run(workers.all_to_all_adjoint, splits, 3)
+    vals = res.values
+    lhs = sum(v["Ax_dot_g"] for v in vals)
+    rhs = sum(v["x_dot_ATg"] for v in vals)
+    assert abs(lhs - rhs) < 1e-10 * max(1.0, abs(lhs))
+    # and A itself: rank t receives, from each s in order, the rows s addressed to t
+    for t in range(W):
+        want = []
+        for s in range(W):
+            start = sum(splits[s][:t])
+            want.append(vals[s]["x"][start:start + splits[s][t]])
+        close(vals[t]["Ax"], torch.cat(want), f"rank {t} received rows")
+
+
+def test_bad_input_on_one_rank_raises_value_error_on_every_rank(worlds):
+    kinds = ["wrong_width", "unequal_tokens", "uneven_experts"]
+    res = worlds(2).run(workers.ep_bad_input, kinds, timeout=20)
+    for r, raised in enumerate(res.values):
+        assert raised == ["ValueError"] * 3, f"rank {r}: {dict(zip(kinds, raised))}"
+    assert not res.trace.filter(op="all_to_all")     # nothing was dispatched
+
+
+# ------------------------------------------------------------------------------------------------
+# EP × DP: 4 ranks, EP groups {0,1} {2,3}, expert-data-parallel groups {0,2} {1,3}, dp = world
+
+
+@pytest.mark.parametrize("cfg", [dict(num_experts=8, k=2, capacity_factor=1.0),
+                                 dict(num_experts=4, k=1, dropless=True)])
+def test_ep_dp_gradients_equal_single_process_mean_of_rank_losses(worlds, cfg):
+    res = worlds(4).run(workers.ep_dp_grad_sync, cfg, "dp")
+    for r, v in enumerate(res.values):
+        close(v["router_grad"], v["truth_router"], f"rank {r} router gradient")
+        for i, (got, want) in enumerate(zip(v["expert_grads"], v["truth_experts"])):
+            for a, b in zip(got, want):
+                close(a, b, f"rank {r} local expert {i} gradient")
+
+
+def test_dividing_expert_gradients_by_the_expert_dp_size_is_off_by_the_ep_size(worlds):
+    res = worlds(4).run(workers.ep_dp_grad_sync, dict(num_experts=8, k=2, capacity_factor=1.0), "expert_dp")
+    for r, v in enumerate(res.values):
+        close(v["router_grad"], v["truth_router"], f"rank {r} router gradient")   # dense grads unaffected
+        for got, want in zip(v["expert_grads"], v["truth_experts"]):
+            for a, b in zip(got, want):
+                with pytest.raises(AssertionError):
+                    close(a, b, "buggy expert gradient")
+                close(a, 2 * b, "buggy expert gradient = EP size × truth")
