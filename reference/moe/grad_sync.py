@@ -28,7 +28,7 @@ data-parallel size:  ∂L/∂θ_e = (1/N) Σ_{r ∈ expert-dp} (rank r's gradien
 
 The classic bug divides by the expert-dp size N/EP instead, which is EP times too large (an
 all-reduce "average" over the group the gradient was reduced in).  With EP = 2 every expert's
-gradient comes out exactly 2×; the test in ``tests/test_moe_grad_sync.py`` shows it.
+gradient comes out exactly 2×; ``tests/test_moe_parallel.py`` shows it.
 """
 from __future__ import annotations
 

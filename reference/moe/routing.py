@@ -18,9 +18,10 @@ Softmax order — softmax over all experts, THEN top-k (Switch arXiv:2101.03961 
 
 Combine weights — top-1 (Switch): ``w = p_{t,e}``, the raw probability.  Top-2 (GShard): the two
     probabilities renormalised, ``w_j = p_j / (p_1 + p_2)``, BEFORE any capacity dropping: a dropped
-    second choice does not hand its weight to the first.  (DeepSpeed's ``top2gating`` takes the
-    denominator from capacity-masked gates, i.e. renormalises AFTER dropping; a token that lost its
-    second expert then gives its first one weight 1.)  For k > 2 we renormalise the same way.
+    second choice does not hand its weight to the first.  (DeepSpeed's and fairscale's
+    ``top2gating`` take the denominator from the capacity-masked gates, i.e. renormalise AFTER
+    dropping: a token that lost its second expert gives its first one weight 1; fairseq has a
+    ``normalize_gate_prob_before_dropping`` switch.)  For k > 2 we renormalise the same way.
 
 Capacity — each expert has a buffer of ``C = ceil(k · capacity_factor · T / E)`` slots per routing
     group of T tokens, at least 1 (Switch §2.2 writes (T/E)·cf for k = 1; GShard sizes top-2
@@ -109,8 +110,8 @@ def gshard_random_routing(routing: dict[str, torch.Tensor], num_experts: int, ca
                           generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """GShard's random second expert (arXiv:2006.16668 §2.2), off by default in the course.
 
-    A token's second choice is used only with probability ``2 · w_2`` (w_2 <= 1/2 after
-    renormalisation): a token whose router is nearly sure of its first expert rarely pays for a
+    A token's second choice is used only with probability ``min(1, 2 · w_2)`` (w_2 <= 1/2 after
+    renormalisation; fairseq's ``second_expert_policy="random"`` does the same): a token whose router is nearly sure of its first expert rarely pays for a
     second.  Unused second choices take no slot; the weights are NOT renormalised again.  Slots are
     then re-assigned in the usual order.  Returns a new routing dict (top-2 only).
     """
@@ -137,13 +138,14 @@ def load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor, num_exp
         P_i = (1/T) Σ_t p_{t,i}                       mean router probability
 
     Uniform probabilities give f_i = P_i = 1/E, so the loss is exactly 1.0 whatever the choices;
-    a collapsed router (every token to one expert with probability → 1) gives → E.  Only P carries
+    a collapsed top-1 router (every token to one expert with probability → 1) gives → E.  Only P carries
     gradient (f is a count), pushing probability away from over-loaded experts.
 
-    Where code differs: Switch counts the top-1 choice; GShard (and DeepSpeed's top-2) counts only
-    first choices and scales by E²/E (mean instead of sum); HF's Mixtral loss counts all k choices
-    but does not divide by k, so its uniform value is k.  Multiply by the coefficient α yourself
-    (Switch: 0.01).
+    Where code differs: Switch routes top-1, so f counts the one choice.  GShard-style top-2 code
+    (DeepSpeed, fairscale: ``mean(me · ce) · E²``) counts FIRST choices only — the same value as
+    here when k = 1.  HF's Mixtral loss counts all k choices but does not divide by k, so its
+    uniform value is k.  A top-k router's collapse value is E/k here (f_i <= 1/k).  Multiply by
+    the coefficient α yourself (Switch: 0.01).
 
     group: the process group the routing group's tokens are spread over (expert parallelism), or
     None for no communication (all tokens are here).  Counts, probability sums and T are
