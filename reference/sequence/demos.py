@@ -96,3 +96,115 @@ def usp_worker(seq_len: int, ulysses_size: int, ring_size: int, layout: str = "z
     out = usp_attention(qg, kg, vg, causal=causal, ulysses_group=ug, ring_group=rg, layout=layout)
     out.backward(dout)
     return {"out": out.detach(), "dq": qg.grad, "dk": kg.grad, "dv": vg.grad}
+
+
+# ----------------------------------------------------------------------------------------------
+# Lecture 5a notebook: the ring widget, the timeline, memory and bytes per rank.  These run on the
+# first ``world_size`` ranks of a bigger kept-alive world (one World(4) serves W = 2, 3, 4); the
+# other ranks return None at once.
+
+from .. import trace  # noqa: E402  (used by the workers below)
+
+_FIRST_RANKS: dict[int, object] = {}
+
+
+def first_ranks_group(size: int):
+    """The group of global ranks 0..size-1 (None for the whole world).  Created once per size, by
+    every rank in the same order (each call reaches every rank with the same ``size``)."""
+    if size == comm.world_size():
+        return None
+    if size not in _FIRST_RANKS:
+        _FIRST_RANKS[size] = comm.new_group(list(range(size)))
+    return _FIRST_RANKS[size]
+
+
+def ring_replay_worker(seq_len: int, world_size: int, layout: str, causal: bool, *, kernel: str = "fused",
+                       **inputs) -> dict | None:
+    """Ring attention forward on ranks 0..world_size-1 (a trace for the ring widget); returns the
+    largest difference from full float64 attention on this rank's rows."""
+    group = first_ranks_group(world_size)
+    r = comm.rank()
+    if r >= world_size:
+        return None
+    from .blockwise import attention_block_explicit
+    from .layouts import positions
+    q, k, v, _ = make_inputs(seq_len, **inputs)
+    shards = [shard_sequence(t, r, world_size, layout) for t in (q, k, v)]
+    out, lse = ring_attention_forward(*shards, causal=causal, layout=layout, group=group, kernel=kernel)
+    with trace.quiet():
+        full, _ = attention_block_explicit(q.double(), k.double(), v.double(), causal=causal)
+    err = float((out.double() - full[..., positions(seq_len, r, world_size, layout), :]).abs().max())
+    return {"max_error": err}
+
+
+def ring_timing_worker(seq_len: int, world_size: int, layout: str = "zigzag", causal: bool = True, *,
+                       backward: bool = False, **inputs) -> dict | None:
+    """One timed ring forward (and backward) on ranks 0..world_size-1; the caller reads the trace."""
+    import time
+    group = first_ranks_group(world_size)
+    r = comm.rank()
+    if r >= world_size:
+        return None
+    q, k, v, dout = (shard_sequence(t, r, world_size, layout) for t in make_inputs(seq_len, **inputs))
+    comm.barrier(group=group)
+    t0 = time.perf_counter()
+    if backward:
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        ring_attention(qg, kg, vg, causal=causal, layout=layout, group=group).backward(dout)
+    else:
+        ring_attention_forward(q, k, v, causal=causal, layout=layout, group=group)
+    return {"seconds": time.perf_counter() - t0}
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def peak_memory_worker(seq_len: int, world_size: int, kernel: str = "explicit", **inputs) -> dict | None:
+    """Peak resident memory (bytes) a causal ring forward adds on ranks 0..world_size-1 (Linux only).
+
+    world_size 1 is one device computing attention of the whole sequence at once.  The peak is
+    read from /proc (VmHWM, reset through /proc/self/clear_refs), so it counts every byte the
+    process touched: inputs, K/V buffers, the scores of the block being computed.
+    """
+    import gc
+    group = first_ranks_group(world_size) if world_size > 1 else None
+    r = comm.rank()
+    if r >= world_size:
+        return None
+    from .blockwise import block_kernels
+    q, k, v, _ = (shard_sequence(t, r, world_size, "contiguous") for t in make_inputs(seq_len, **inputs))
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return {"peak_bytes": None}
+    base = _rss_kib("VmRSS")
+    if world_size == 1:
+        forward, _ = block_kernels(kernel)
+        with torch.no_grad():
+            out, lse = forward(q, k, v, causal=True)
+    else:
+        out, lse = ring_attention_forward(q, k, v, causal=True, group=group, kernel=kernel)
+    peak = _rss_kib("VmHWM")
+    del out, lse
+    return {"peak_bytes": (peak - base) * 1024}
+
+
+def bytes_worker(seq_len: int, world_size: int, **inputs) -> dict | None:
+    """Ring attention forward, then Ulysses attention forward, on the same shards (for the trace)."""
+    group = first_ranks_group(world_size)
+    r = comm.rank()
+    if r >= world_size:
+        return None
+    q, k, v, _ = (shard_sequence(t, r, world_size, "contiguous") for t in make_inputs(seq_len, **inputs))
+    with trace.span("phase", what="ring"):
+        ring_attention_forward(q, k, v, causal=True, group=group)
+    with trace.span("phase", what="ulysses"), torch.no_grad():
+        ulysses_attention(q, k, v, causal=True, group=group)
+    return {}

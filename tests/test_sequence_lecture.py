@@ -1,0 +1,283 @@
+"""Lecture 5a teaching side: the ring widget's state function and the grader's mistake detectors.
+
+The widget is tested on traces of real runs (the reference ring on a kept-alive world of 4 ranks,
+W = 2, 3, 4 on sub-groups).  The detectors are tested by feeding the checks' judging functions
+the results of deliberately wrong implementations, run on real ranks where the mistake is in
+the communication.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from exercises.grading.checks import sequence as checks
+from exercises.grading.core import CheckFailed
+from reference import comm
+from reference.sequence import attention_block, block_plan, demos, merge_attention  # noqa: F401
+from reference.widgets import ring as ringw
+from reference.widgets.player import render_png
+
+L = 24          # tokens in the replayed runs (divisible by 2W for W = 2, 3, 4)
+
+
+@pytest.fixture(scope="module")
+def runs(world):
+    w = world(4)
+    out = {}
+    for W in (2, 3, 4):
+        for layout in ("contiguous", "zigzag", "striped"):
+            for causal in (False, True):
+                res = w.run(demos.ring_replay_worker, L, W, layout, causal)
+                assert max(v["max_error"] for v in res.values[:W]) < 1e-5
+                out[(layout, W, causal)] = ringw.RingRun(res.trace, W, layout, causal, L)
+    return out
+
+
+def _state(run, step):
+    return ringw.ring_state(run.trace, step, world_size=run.world_size, layout=run.layout, causal=run.causal,
+                            seq_len=run.seq_len)
+
+
+# ----------------------------------------------------------------------------------------------
+# The widget's state
+
+
+def test_after_step_s_rank_r_holds_the_kv_of_rank_r_minus_s(runs):
+    for (layout, W, causal), run in runs.items():
+        for s in range(W):
+            st = _state(run, s)
+            for r in range(W):
+                j = (r - s) % W
+                assert st.holds_from[r] == j, (layout, W, causal, s, r)
+                assert st.holds[r] == ringw.own_chunks(j, W, layout)
+            # the hop posted at step s goes r -> r+1 and carries what r holds now
+            if s < W - 1:
+                assert [(a, b) for a, b, _, _ in st.sends] == [(r, (r + 1) % W) for r in range(W)]
+                assert all(ch == st.holds[a] for a, _, ch, _ in st.sends)
+            else:
+                assert st.sends == []
+
+
+def test_pairs_per_rank_match_the_formulas_and_the_trace(runs):
+    for (layout, W, causal), run in runs.items():
+        st = _state(run, W - 1)
+        assert st.pairs == ringw.expected_pairs(L, W, layout, causal) == st.expected
+        per_rank = run.trace.filter(op="compute", what="attn_fwd").meta_sum("pairs")
+        assert [per_rank.get(r, 0) for r in range(W)] == st.pairs
+    c = L // 4
+    assert ringw.expected_pairs(L, 4, "contiguous", True) == [c * c * r + c * (c + 1) // 2 for r in range(4)]
+    assert ringw.expected_pairs(L, 4, "zigzag", True) == [L * (L + 1) // 8] * 4
+    assert sum(ringw.expected_pairs(L, 3, "striped", True)) == L * (L + 1) // 2
+
+
+def test_score_tiles_fill_step_by_step_every_unmasked_score_once_by_the_rank_owning_the_query(runs):
+    for (layout, W, causal), run in runs.items():
+        qown = torch.zeros(L, dtype=torch.long)
+        for r in range(W):
+            for c in ringw.own_chunks(r, W, layout):
+                qown[ringw.chunk_tokens(c, L, W, layout)] = r
+        prev = None
+        for s in range(W):
+            st = _state(run, s)
+            assert int(st.new.sum()) == sum(st.pairs_step)            # tiles of this step = pairs of this step
+            done = st.owner >= 0
+            if prev is not None:
+                assert (done & ~st.new == prev).all()                 # earlier tiles stay, new ones are new
+            prev = done
+            rows = torch.from_numpy(st.owner)
+            assert ((rows == qown[:, None]) | (rows < 0)).all()        # Q is stationary: rank r fills its rows
+        masked = torch.ones(L, L, dtype=torch.bool).triu(1) if causal else torch.zeros(L, L, dtype=torch.bool)
+        assert (torch.from_numpy(st.owner == ringw.MASKED) == masked).all()
+        assert not (st.owner == ringw.EMPTY).any()                     # after the last step all are done
+
+
+def test_contiguous_causal_shows_imbalance_and_skipped_blocks_zigzag_does_not(runs):
+    cont, zig = _state(runs[("contiguous", 4, True)], 3), _state(runs[("zigzag", 4, True)], 3)
+    assert cont.computed == [False, False, False, True]               # only rank 3 still has work
+    assert cont.imbalance == pytest.approx(max(cont.expected) / (sum(cont.expected) / 4))
+    assert cont.imbalance > 1.7 and zig.imbalance == 1.0
+    assert all(zig.computed)
+
+
+def test_ring_state_rejects_a_step_outside_the_ring(runs):
+    with pytest.raises(ValueError):
+        _state(runs[("zigzag", 2, True)], 2)
+
+
+def test_draw_ring_renders_every_layout_and_the_player_switches_runs(runs):
+    for key in (("contiguous", 4, True), ("zigzag", 3, False), ("striped", 2, True)):
+        png = render_png(ringw.draw_ring, _state(runs[key], 1), figsize=(12, 4.2), dpi=40)
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    player = ringw.ring_player(runs, layout="contiguous", world_size=4, causal=True)
+    player.widget()
+    player.controls["layout"].value = "zigzag"                         # rebuild: re-selects a recorded run
+    assert player.n_steps == 4 and player.state_at(3).expected == [L * (L + 1) // 8] * 4
+    player.controls["world_size"].value = 2
+    assert player.n_steps == 2 and player.state_at(1).layout == "zigzag"
+
+
+def test_overlap_stats_measure_the_part_of_each_message_spent_computing():
+    from reference.trace import Event
+    tr = [Event(0, "compute", start=10.0, end=11.0), Event(0, "send", peer=1, start=10.0, end=11.5),
+          Event(0, "recv", peer=1, start=10.0, end=11.5), Event(1, "compute", start=10.0, end=10.2),
+          Event(1, "recv", peer=0, start=10.1, end=10.5)]
+    st = ringw.overlap_stats(tr)
+    assert st[0] == pytest.approx({"compute": 1.0, "comm": 1.5, "overlap": 1.0, "exposed": 0.5, "hidden": 2 / 3})
+    assert st[1]["overlap"] == pytest.approx(0.1) and st[1]["exposed"] == pytest.approx(0.3)
+    assert ringw.timeline(tr)[1]["comm"] == [pytest.approx((0.1, 0.5))]
+
+
+# ----------------------------------------------------------------------------------------------
+# The grader's detectors.  First the exercise stubs match the reference's signatures and docstrings.
+
+
+def test_exercise_stubs_have_the_reference_signatures_and_docstrings():
+    import inspect
+    ref, ex = importlib.import_module("reference.sequence"), importlib.import_module("exercises.sequence")
+    for name in ex.__all__:
+        assert inspect.signature(getattr(ex, name)) == inspect.signature(getattr(ref, name)), name
+        assert getattr(ex, name).__doc__ == getattr(ref, name).__doc__, name
+
+
+def _naive_merge(oa, la, ob, lb):
+    ea, eb = torch.exp(la), torch.exp(lb)
+    return (ea.unsqueeze(-1) * oa + eb.unsqueeze(-1) * ob) / (ea + eb).unsqueeze(-1), torch.log(ea + eb)
+
+
+def test_merge_detectors_name_the_missing_running_max_and_plain_averaging():
+    small = checks.merge_case(1, 2, 4, 3, 3, 8, seed=1)
+    large = checks.merge_case(1, 2, 4, 3, 3, 8, seed=1, scale=30.0)
+    checks.judge_merge(merge_attention(*large["args"]), large, "large")      # the reference passes
+    checks.judge_merge(_naive_merge(*small["args"]), small, "small")          # naive is right on small logits
+    with pytest.raises(CheckFailed, match="running max"):
+        checks.judge_merge(_naive_merge(*large["args"]), large, "large logits ×30")
+    oa, la, ob, lb = small["args"]
+    with pytest.raises(CheckFailed, match="plain average"):
+        checks.judge_merge(((oa + ob) / 2, torch.logaddexp(la, lb)), small, "small")
+    with pytest.raises(CheckFailed, match="max\\(lse_a, lse_b\\)"):
+        checks.judge_merge((merge_attention(*small["args"])[0], torch.maximum(la, lb)), small, "small")
+
+
+def _shard_results(fn, cases):
+    return [{"value": fn(x, r, W, layout, dim), "contiguous": True, "input_intact": True}
+            for x, r, W, layout, dim in cases]
+
+
+@pytest.mark.parametrize("mistake, words", [
+    (lambda x, r, W: torch.cat([x.chunk(2 * W, -2)[r], x.chunk(2 * W, -2)[r + W]], -2), "second chunk is r \\+ W"),
+    (lambda x, r, W: torch.cat([x.chunk(2 * W, -2)[2 * W - 1 - r], x.chunk(2 * W, -2)[r]], -2), "wrong order"),
+    (lambda x, r, W: x.chunk(W, -2)[r], "contiguous layout"),
+])
+def test_shard_detectors_name_zigzag_mistakes_from_the_tokens_held(mistake, words):
+    cases = checks._shard_cases(("zigzag",), (4,), lambda W, _: 16, lambda S: (1, 2, S, 2), -2)
+    with pytest.raises(CheckFailed, match=words):
+        checks.judge_shards(_shard_results(lambda x, r, W, layout, dim: mistake(x, r, W), cases), cases)
+
+
+def test_shard_detector_recognises_striped_done_as_contiguous():
+    cases = checks._shard_cases(("striped",), (3,), lambda W, _: 9, lambda S: (1, 1, S, 2), -2)
+    with pytest.raises(CheckFailed, match="contiguous layout"):
+        checks.judge_shards(_shard_results(lambda x, r, W, layout, dim: x.chunk(W, dim)[r].contiguous(), cases),
+                            cases)
+
+
+# A deliberately wrong learner ring, run on real ranks.  The grader's harness calls
+# ``ring_attention_forward`` of this module; ``_BUG`` picks the mistake.
+
+_BUG = ""
+
+
+def ring_attention_forward(q, k, v, *, causal=False, layout="contiguous", group=None, kernel="fused"):
+    r, W, n = comm.rank(), comm.world_size(), q.shape[-2]
+    nxt, prv = comm.ring_peers()
+    if _BUG == "direction":
+        nxt, prv = prv, nxt
+    out = lse = None
+    kc, vc = k, v
+    for s in range(W):
+        j = (r - s) % W
+        hop = None
+        if s < W - 1:
+            kb, vb = torch.empty_like(kc), torch.empty_like(vc)
+            hop = comm.exchange([(kc, nxt), (vc, nxt)], [(kb, prv), (vb, prv)], step=s, what="kv")
+        plan = block_plan(r, j, W, "contiguous" if _BUG == "contiguous_rules" else layout, causal, n)
+        if _BUG == "diag_unmasked" and j == r:
+            plan = block_plan(r, j, W, layout, False, n)
+        if _BUG == "striped_inclusive" and j > r:
+            plan = block_plan(r, r, W, layout, causal, n)
+        if _BUG == "compute_masked" and not plan:
+            attention_block(q, kc, vc)                                  # computed, then thrown away
+        for p in plan:
+            o, l = attention_block(q[..., p.q, :], kc[..., p.k, :], vc[..., p.k, :], causal=p.causal)
+            if out is None:
+                out, lse = o, l
+            else:
+                out[..., p.q, :], lse[..., p.q] = merge_attention(out[..., p.q, :], lse[..., p.q], o, l)
+        if hop is not None:
+            hop.wait()
+            kc, vc = kb, vb
+    return out, lse
+
+
+def buggy_ring_worker(bug: str, shards, causal: bool, layout: str):
+    global _BUG
+    _BUG = bug
+    try:
+        return checks.ring_harness(__name__, shards, causal, layout)
+    finally:
+        _BUG = ""
+
+
+@pytest.mark.parametrize("bug, layout, words", [
+    ("", "zigzag", None),
+    ("direction", "contiguous", "ring runs the other way"),
+    ("diag_unmasked", "contiguous", "not masked"),
+    ("contiguous_rules", "zigzag", "contiguous layout's rule"),
+    ("striped_inclusive", "striped", "STRICTLY causal"),
+])
+def test_ring_detectors_name_the_mistake(world, bug, layout, words):
+    W = 4
+    qkv = checks.ring_inputs(1, 2, 16, 8, seed=7)
+    res = world(4).run(buggy_ring_worker, bug, checks.shard_inputs(qkv, W, layout), True, layout)
+    trace = [e.to_dict() for e in res.trace]
+    if words is None:
+        checks.judge_ring(res.values, trace, qkv, True, layout, W)
+        checks.judge_ring_messages(trace, W, 4, 2, 8, 8)
+        return
+    with pytest.raises(CheckFailed, match=words):
+        checks.judge_ring(res.values, trace, qkv, True, layout, W)
+
+
+def test_ring_checks_see_kv_sent_the_wrong_way_and_masked_blocks_computed(world):
+    W = 4
+    qkv = checks.ring_inputs(1, 2, 16, 8, seed=8)
+    shards = checks.shard_inputs(qkv, W, "contiguous")
+    res = world(4).run(buggy_ring_worker, "direction", shards, False, "contiguous")
+    checks.judge_ring(res.values, [e.to_dict() for e in res.trace], qkv, False, "contiguous", W)   # output fine ...
+    with pytest.raises(CheckFailed, match="ring runs the other way"):                              # ... trace not
+        checks.judge_ring_messages([e.to_dict() for e in res.trace], W, 4, 2, 8, 8)
+    res = world(4).run(buggy_ring_worker, "compute_masked", shards, True, "contiguous")
+    trace = [e.to_dict() for e in res.trace]
+    checks.judge_ring(res.values, trace, qkv, True, "contiguous", W)
+    with pytest.raises(CheckFailed, match="Skip fully masked blocks"):
+        checks.judge_skipping(res.values, trace, W, 4)
+    res = world(4).run(buggy_ring_worker, "", shards, True, "contiguous")
+    checks.judge_skipping(res.values, [e.to_dict() for e in res.trace], W, 4)
+
+
+def test_ulysses_detector_describes_heads_and_tokens_received():
+    X = checks.heads_tokens_tensor(1, 8, 8, 2)
+    W = 4
+    right = [{"seq_to_heads": X[:, 2 * r:2 * r + 2], "heads_to_seq": X[:, :, 2 * r:2 * r + 2],
+              "round_trip": X[:, :, 2 * r:2 * r + 2]} for r in range(W)]
+    checks.judge_ulysses(right, X, W)
+    interleaved = [dict(v, seq_to_heads=X[:, r::W]) for r, v in enumerate(right)]
+    with pytest.raises(CheckFailed, match="interleaved"):
+        checks.judge_ulysses(interleaved, X, W)
+    shuffled = [dict(v, seq_to_heads=X[:, 2 * r:2 * r + 2].roll(2, dims=2)) for r, v in enumerate(right)]
+    with pytest.raises(CheckFailed, match="tokens are in the order"):
+        checks.judge_ulysses(shuffled, X, W)
+    with pytest.raises(CheckFailed, match="raised nothing"):
+        checks.judge_ulysses_error([{"raised": "ValueError"}] * 3 + [{"raised": None}], W, 6)
