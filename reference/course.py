@@ -37,3 +37,35 @@ def needs(*exercise_ids: str) -> Iterator[None]:
         ids = ", ".join(exercise_ids)
         print(f"⏸  This cell needs your solution to exercise {ids}; implement it first, then run the cell again.\n"
               f"   ({msg.splitlines()[0][:200]})")
+
+
+def quiz(question: str, options: list[str], answer: int, explanation: str = ""):
+    """Predict, then reveal: radio buttons and a Reveal button (the answer stays hidden until asked).
+
+    ``answer`` is the index of the right option.  Returns the widget; in a headless run it shows
+    the question and the options as text.
+    """
+    import ipywidgets as W
+
+    choice = W.RadioButtons(options=options, value=None, layout=W.Layout(width="auto"))
+    button = W.Button(description="Reveal", button_style="info")
+    out = W.HTML()
+
+    def reveal(_):
+        picked = choice.value
+        right = options[answer]
+        verdict = ("✅ Right." if picked == right else
+                   "❌ Not quite." if picked is not None else "The answer:")
+        out.value = f"<b>{verdict}</b> {right}. {explanation}"
+    button.on_click(reveal)
+    return _Quiz(W.VBox([W.HTML(f"<b>Predict:</b> {question}"), choice, button, out]), question, options)
+
+
+class _Quiz:
+    def __init__(self, widget, question, options):
+        self.widget, self.question, self.options = widget, question, options
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        bundle = dict(self.widget._repr_mimebundle_(include=include, exclude=exclude) or {})
+        bundle["text/plain"] = "Predict: " + self.question + "\n" + "\n".join(f"  ( ) {o}" for o in self.options)
+        return bundle

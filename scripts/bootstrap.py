@@ -46,7 +46,8 @@ def main() -> None:
         if not ok:
             run(*pip, TORCH)
     target = f".[{args.extras}]" if args.extras else "."
-    run(py, "-m", "pip", "install", "--quiet", "-e", target)
+    # "compat" puts the repo root on sys.path (a .pth file): modules added later import without a reinstall.
+    run(py, "-m", "pip", "install", "--quiet", "--config-settings", "editable_mode=compat", "-e", target)
 
 
 if __name__ == "__main__":
