@@ -94,3 +94,49 @@ def ep_dp_local_grads(world_size: int, ep: int, seed: int, *, num_experts: int =
         experts.append(mine)
         want_experts.append([g / W for g in block(total, q)])
     return {"dense": dense, "experts": experts, "want_dense": [total[0] / W], "want_experts": want_experts}
+
+
+# ----------------------------------------------------------------------------------------------
+# Lecture 5b notebook: the routing widget's runs, bytes per all-to-all, the collapse experiment
+
+
+def routing_run(num_experts: int, k: int, capacity_factor: float, tokens: int = 8, d_model: int = 16,
+                seed: int = 0, dropless: bool = False, module: str = "reference.moe") -> dict:
+    """Rank worker: one expert-parallel forward of a seeded layer on this rank's ``tokens`` tokens.
+
+    Every rank builds the same layer (same seed) and keeps its experts; rank r's tokens come from
+    seed + 1 + r.  The trace (route, dispatch/combine all-to-alls, expert compute) is what the
+    routing widget replays.  Returns this rank's counts.
+    """
+    import importlib
+
+    from .. import comm
+    from .parallel import ExpertParallelMoE
+    importlib.import_module(module)   # the learner's package, when replaying their run
+    torch.manual_seed(seed)
+    layer = MoELayer(d_model, 2 * d_model, num_experts, k=k, capacity_factor=capacity_factor, dropless=dropless)
+    with torch.no_grad():
+        layer.router.weight.mul_(3.0)          # a confident router: uneven loads, visible drops
+    ep = ExpertParallelMoE.from_layer(layer)
+    g = torch.Generator().manual_seed(seed + 1 + comm.rank())
+    x = torch.randn(tokens, d_model, generator=g)
+    with torch.no_grad():
+        y, stats = ep(x)
+    return {"dropped": stats["dropped"], "dispatched": stats["dispatched"], "capacity": stats["capacity"],
+            "tokens_per_expert": stats["tokens_per_expert"], "y_zero_rows": int((y == 0).all(1).sum())}
+
+
+def record_routing_traces(worlds: dict, ks=(1, 2), capacity_factors=(0.5, 1.0, 2.0), num_experts=(4, 8),
+                          tokens: int = 8, d_model: int = 16, seed: int = 0) -> dict:
+    """Parent side: run :func:`routing_run` for every (k, cf, E, W) in live ``worlds`` {W: World}.
+
+    Returns {(k, cf, E, W): trace} for :func:`reference.widgets.routing.routing_player`.
+    """
+    traces = {}
+    for W, world in worlds.items():
+        for E in num_experts:
+            for k in ks:
+                for cf in capacity_factors:
+                    res = world.run(routing_run, E, k, cf, tokens, d_model, seed)
+                    traces[(k, cf, E, W)] = res.trace
+    return traces

@@ -466,31 +466,37 @@ def _expected_buffers(ctx, per_rank, E: int, C: int):
 
 
 def sent_to_wrong_rank(m: Mismatch) -> str | None:
-    """Identify each non-zero row of the learner's buffer with a token, and ask which expert it was for."""
+    """Identify each non-zero row of the learner's buffer with a token; test where its expert lives."""
     got, per_rank, E, r = m.got, m.extra.get("per_rank"), m.extra.get("E"), m.rank
     if not isinstance(got, torch.Tensor) or got.dim() != 3 or per_rank is None or r is None:
         return None
     W = len(per_rank)
     E_local = E // W
-    experts_seen = set()
-    for row in got.reshape(-1, got.shape[-1]):
-        if not bool(row.any()):
-            continue
-        for x, routing in per_rank:
-            hit = torch.nonzero((x == row).all(1), as_tuple=True)[0]
-            if len(hit):
-                t = int(hit[0])
-                experts_seen |= {int(e) for e, kp in zip(routing["expert_index"][t], routing["kept"][t]) if kp}
-                break
-    if not experts_seen:
+    hypotheses = {"blocks": lambda i: r * E_local + i, "mod": lambda i: i * W + r}
+    fits = {h: 0 for h in hypotheses}
+    rows = 0
+    for i in range(min(got.shape[0], E_local)):
+        for row in got[i]:
+            if not bool(row.any()):
+                continue
+            for x, routing in per_rank:
+                hit = torch.nonzero((x == row).all(1), as_tuple=True)[0]
+                if len(hit):
+                    t = int(hit[0])
+                    chosen = {int(e) for e, kp in zip(routing["expert_index"][t], routing["kept"][t]) if kp}
+                    rows += 1
+                    for h, f in hypotheses.items():
+                        fits[h] += f(i) in chosen
+                    break
+    if not rows:
         return None
-    mine = set(range(r * E_local, (r + 1) * E_local))
-    if experts_seen.isdisjoint(mine) or not experts_seen <= mine:
-        if all(e % W == r for e in experts_seen):
-            return (f"rank {r} received tokens for experts {sorted(experts_seen)} (e mod W = {r}): experts live in "
-                    f"contiguous blocks, expert e on rank e // (E/W) = e // {E_local}; rank {r} holds "
-                    f"{sorted(mine)}.")
-        return (f"rank {r} received tokens for experts {sorted(experts_seen)}, but it holds experts {sorted(mine)} "
+    mine = list(range(r * E_local, (r + 1) * E_local))
+    if fits["mod"] == rows and fits["blocks"] < rows:
+        return (f"rank {r} received the tokens of experts {[i * W + r for i in range(E_local)]} (e mod W = {r}): "
+                f"experts live in contiguous blocks, expert e on rank e // (E/W) = e // {E_local}; rank {r} holds "
+                f"{mine}.")
+    if fits["blocks"] < rows:
+        return (f"some tokens in rank {r}'s buffer were not assigned to the experts it holds, {mine} "
                 f"(expert e lives on rank e // (E/W) = e // {E_local}): tokens were sent to the wrong rank.")
     return ("the right tokens arrived but in the wrong rows: rank r's buffer is (E_local, W·C, d) with rows "
             "s·C … s·C+C−1 of each local expert from source rank s, at their slot.")
