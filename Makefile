@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
 PORT   ?= 8888
+# JupyterLab refuses to run as root unless told; containers and CI machines often are root.
+LAB_FLAGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: lab test clean
 
@@ -16,7 +18,7 @@ $(VENV)/.stamp-test: pyproject.toml scripts/bootstrap.py
 	@touch $@ $(VENV)/.stamp-lab
 
 lab: $(VENV)/.stamp-lab
-	$(VPY) -m jupyter lab --port $(PORT) notebooks/index.ipynb
+	$(VPY) -m jupyter lab --port $(PORT) $(LAB_FLAGS) notebooks/index.ipynb
 
 test: $(VENV)/.stamp-test
 	$(VPY) -m pytest

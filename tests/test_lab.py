@@ -1,0 +1,48 @@
+"""`make lab` serves the course's index notebook (the README's first command)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_make_lab_serves_the_index_notebook(tmp_path):
+    port = free_port()
+    env = dict(os.environ, JUPYTER_TOKEN="course-test", BROWSER="true", JUPYTER_RUNTIME_DIR=str(tmp_path),
+               JUPYTER_CONFIG_DIR=str(tmp_path / "config"))
+    proc = subprocess.Popen(["make", "--no-print-directory", "lab", f"PORT={port}"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        body = ""
+        while time.monotonic() < deadline:
+            try:
+                url = f"http://127.0.0.1:{port}/api/contents/index.ipynb?token=course-test&content=0"
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    body = r.read().decode()
+                break
+            except OSError:
+                time.sleep(1)
+        assert '"name": "index.ipynb"' in body or '"name":"index.ipynb"' in body, "JupyterLab did not serve index.ipynb"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/lab/tree/index.ipynb?token=course-test", timeout=10) as r:
+            assert r.status == 200 and "JupyterLab" in r.read().decode()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+    assert f":{port}/lab" in out.decode(errors="replace"), "the URL to open was not printed"
