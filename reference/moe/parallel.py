@@ -39,7 +39,8 @@ received from s goes back to s.  ``<A x, g> = <x, Aᵀ g>`` (summed over ranks) 
 
 Trace
 -----
-Every all-to-all is a ``comm.all_to_all_single`` event with ``meta["what"]`` in ``"counts"``,
+Every all-to-all is a ``comm.all_to_all_single`` event with ``meta["what"]`` in ``"counts"``
+(dropless only: E_local integers per destination announcing the tokens that follow),
 ``"dispatch"``, ``"combine"`` (and ``"dispatch.backward"``, ``"combine.backward"`` when
 gradients flow), ``meta["send_splits"]`` rows per destination (padding included) and
 ``meta["tokens_per_dest"]`` REAL tokens per destination.  In the padded path a rank that sends
@@ -122,6 +123,14 @@ def all_to_all(x: torch.Tensor, send_splits: list[int] | None = None, recv_split
 # Padded, fixed-capacity dispatch and combine (exercise 5b.3)
 
 
+def _experts_per_rank(num_experts: int, group) -> tuple[int, int]:
+    """(W, E_local); ValueError (the same on every rank, before any message) if E % W != 0."""
+    W = comm.world_size(group)
+    if num_experts % W:
+        raise ValueError(f"{num_experts} experts cannot be split evenly over {W} ranks")
+    return W, num_experts // W
+
+
 def _kept_assignments(routing):
     """(t, j) of the kept assignments and their row ``e·C + slot`` in an (E·C, d) expert buffer."""
     t, j = torch.nonzero(routing["kept"], as_tuple=True)
@@ -135,8 +144,7 @@ def dispatch(x: torch.Tensor, routing: dict, num_experts: int, capacity: int, gr
     for each of this rank's experts, C slots from each source rank in rank order (zeros where no
     token was assigned).
     """
-    W, (T, d) = comm.world_size(group), x.shape
-    E_local = num_experts // W
+    (W, E_local), (T, d) = _experts_per_rank(num_experts, group), x.shape
     t, j, e = _kept_assignments(routing)
     rows = e * capacity + routing["slot"][t, j]
     buffer = x.new_zeros(num_experts * capacity, d).index_add(0, rows, x[t])           # (E·C, d)
@@ -151,8 +159,11 @@ def combine(expert_out: torch.Tensor, routing: dict, num_experts: int, capacity:
     expert_out: (E_local, W·C, d) laid out as :func:`dispatch` returns.  Returns (T, d):
     ``y_t = Σ_j w_tj · out[e_tj, slot_tj]`` over kept assignments; dropped ones contribute 0.
     """
-    W, T = comm.world_size(group), routing["kept"].shape[0]
-    E_local, _, d = expert_out.shape
+    (W, E_local), T = _experts_per_rank(num_experts, group), routing["kept"].shape[0]
+    if expert_out.dim() != 3 or expert_out.shape[:2] != (E_local, W * capacity):
+        raise ValueError(f"combine expects expert outputs of shape ({E_local}, {W * capacity}, d), "
+                         f"got {tuple(expert_out.shape)}")
+    d = expert_out.shape[2]
     send = expert_out.view(E_local, W, capacity, d).transpose(0, 1).reshape(W * E_local * capacity, d)
     t, j, e = _kept_assignments(routing)
     tokens_back = torch.bincount(e // E_local, minlength=W).tolist()
@@ -182,12 +193,11 @@ def dispatch_dropless(x: torch.Tensor, routing: dict, num_experts: int, group=No
     Returns ``(x_recv, recv_counts)``: x_recv (N, d) with rows grouped by source rank, then local
     expert, then slot; recv_counts (W, E_local) long, rows from source s for local expert e.
     """
-    W = comm.world_size(group)
-    E_local = num_experts // W
+    W, E_local = _experts_per_rank(num_experts, group)
     t, _, counts = _dropless_order(routing, num_experts)
-    recv_counts = _all_to_all_rows(counts, [E_local] * W, [E_local] * W, group, what="counts",
-                                   tokens_per_dest=[0] * W).view(W, E_local)
     send_splits = counts.view(W, E_local).sum(1).tolist()
+    recv_counts = _all_to_all_rows(counts, [E_local] * W, [E_local] * W, group, what="counts",
+                                   tokens_per_dest=send_splits).view(W, E_local)
     recv_splits = recv_counts.sum(1).tolist()
     x_recv = all_to_all(x[t], send_splits, recv_splits, group=group, what="dispatch")
     return x_recv, recv_counts
@@ -196,7 +206,7 @@ def dispatch_dropless(x: torch.Tensor, routing: dict, num_experts: int, group=No
 def combine_dropless(expert_out: torch.Tensor, routing: dict, num_experts: int, recv_counts: torch.Tensor,
                      group=None) -> torch.Tensor:
     """Send expert outputs (laid out as :func:`dispatch_dropless` returned) back; weighted sum (T, d)."""
-    W, T = comm.world_size(group), routing["kept"].shape[0]
+    (W, _), T = _experts_per_rank(num_experts, group), routing["kept"].shape[0]
     t, j, counts = _dropless_order(routing, num_experts)
     back = all_to_all(expert_out, recv_counts.sum(1).tolist(), counts.view(W, -1).sum(1).tolist(),
                       group=group, what="combine")
