@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hidden", action="store_true", help="skip teachers' hidden checks")
     p.add_argument("--list", action="store_true", help="list the exercises and their checks, then stop")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="cap every check's time limit (default: $GRADER_TIMEOUT or 60)")
+    p.add_argument("--oracle-answers", metavar="PATH",
+                   help="ground truth recorded from the full reference (a student release ships one)")
     args = p.parse_args(argv)
 
     if args.list:
@@ -35,11 +39,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     progress = None if args.quiet else (lambda s: print("  grading", s, file=sys.stderr, flush=True))
+    core.contain()   # processes a submission detaches are still found and killed
+    if args.oracle_answers:
+        core.load_oracle_answers(args.oracle_answers)
     try:
-        results = core.grade(args.solutions, args.ids or None, include_hidden=not args.no_hidden, progress=progress)
+        results = core.grade(args.solutions, args.ids or None, include_hidden=not args.no_hidden, progress=progress,
+                             timeout=args.timeout)
     except ValueError as e:
         p.error(str(e))
     elapsed = time.perf_counter() - t0
+    # Written here, last, by this process — after every runner and stray process is gone.
     print(report.summary_text(results))
     print(f"({elapsed:.1f} s)")
     if args.gradescope:

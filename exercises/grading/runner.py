@@ -1,13 +1,20 @@
 """The runner process: calls learner code for the grader and answers with ``torch.save`` bytes.
 
-Started by :class:`exercises.grading.core.Runner`.  Requests (pickled by the trusted grader):
+Started by :class:`exercises.grading.core.Runner` (one per exercise, in its own session so that
+the grader can kill it with everything it started).  Requests (pickled by the trusted grader):
 
     ("local", "pkg.mod:harness", module, args)            -> {"value": ...}
     ("ranks", W, "pkg.mod:harness", module, args, tmo)    -> {"values": [...], "trace": [...], "output": str}
 
 A harness is a grader-owned function ``harness(module, *args)`` that imports the learner module
-and calls it; in "ranks" it runs on every rank of a ``reference.launch.World`` (kept per world
-size, so a second call costs milliseconds).  Errors come back as ``{"error": {...}}``.
+and calls it; in "ranks" it runs on every rank of a world of ``W`` ranks, kept per world size,
+so a second call costs milliseconds.  Errors come back as ``{"error": {...}}``.
+
+Speed.  A world started by ``reference.launch.World`` spawns fresh interpreters that each import
+torch (about a second of CPU per rank here).  The runner has imported torch already, so its
+worlds *fork* their ranks from it (:class:`ForkedWorld`): the same rank program
+(``reference.launch._rank_main``), the same process group, traces, status reports and errors,
+started in a fraction of a second.  Set ``GRADER_SPAWN=1`` to use spawned worlds instead.
 """
 from __future__ import annotations
 
@@ -15,10 +22,17 @@ import importlib
 import io
 import os
 import pickle
+import signal
+import socket
+import subprocess
 import sys
+import threading
+import time
 import traceback
 from multiprocessing import connection as mpc
 from typing import Any
+
+from reference import launch as _launch
 
 
 def _resolve(path: str):
@@ -42,13 +56,242 @@ def _plain(obj: Any) -> Any:
     return f"<{type(obj).__name__} not returned>"
 
 
-def main(fd: int) -> None:
+# ----------------------------------------------------------------------------------------------
+# Worlds whose ranks are forked from the runner
+
+
+class _Zygote:
+    """A single-threaded child of the runner, forked before any learner code runs or any thread
+    starts, that forks ranks on request.  Forking from the runner itself is not safe: the
+    runner's TCPStore threads may hold C library locks (e.g. the resolver's) at the moment of a
+    fork, and a rank born with such a lock held waits forever.  The zygote reaps its ranks and
+    reports each exit status back, so the runner still knows how a rank died."""
+
+    def __init__(self):
+        parent, child = socket.socketpair()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                parent.close()
+                self._serve(mpc.Connection(child.detach()))
+                code = 0
+            finally:
+                os._exit(code)
+        child.close()
+        self.pid = pid
+        self.conn = mpc.Connection(parent.detach())
+        self.exits: dict[int, int] = {}
+
+    # -- in the zygote -------------------------------------------------------------------------
+
+    @staticmethod
+    def _serve(conn) -> None:
+        from multiprocessing.reduction import recv_handle
+        try:
+            import ctypes
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG: go when the runner goes
+        except Exception:
+            pass
+        children: set[int] = set()
+        while True:
+            while children:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if not pid:
+                    break
+                children.discard(pid)
+                conn.send(("exit", pid, os.waitstatus_to_exitcode(status)))
+            if not conn.poll(0.02):
+                continue
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            _, rank, cfg = msg
+            fd = recv_handle(conn)
+            pid = os.fork()
+            if pid == 0:  # the rank
+                code = 1
+                try:
+                    os.closerange(3, fd)  # nothing else of the runner's stays open in the rank
+                    os.closerange(fd + 1, 65536)
+                    _launch._rank_main(rank, fd, cfg)
+                    code = 0
+                finally:
+                    os._exit(code)
+            os.close(fd)
+            children.add(pid)
+            conn.send(("pid", pid))
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    # -- in the runner -------------------------------------------------------------------------
+
+    def pump(self, until_pid: bool = False):
+        while until_pid or self.conn.poll(0):
+            msg = self.conn.recv()
+            if msg[0] == "exit":
+                self.exits[msg[1]] = msg[2]
+            elif msg[0] == "pid" and until_pid:
+                return msg[1]
+        return None
+
+    def fork_rank(self, rank: int, fd: int, cfg: dict) -> int:
+        from multiprocessing.reduction import send_handle
+        self.conn.send(("fork", rank, cfg))
+        send_handle(self.conn, fd, self.pid)
+        return self.pump(until_pid=True)
+
+
+_ZYGOTE: _Zygote | None = None
+
+
+class _ForkedProc:
+    """The little of ``subprocess.Popen`` that ``World`` uses, for a rank forked by the zygote."""
+
+    def __init__(self, pid: int, zygote: _Zygote):
+        self.pid, self.zygote, self.returncode = pid, zygote, None
+
+    def poll(self):
+        if self.returncode is None:
+            try:
+                self.zygote.pump()
+            except (EOFError, OSError):
+                self.returncode = -signal.SIGKILL
+            if self.pid in self.zygote.exits:
+                self.returncode = self.zygote.exits.pop(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.0005
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+        return self.returncode
+
+    def kill(self):
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class ForkedWorld(_launch.World):
+    """A :class:`reference.launch.World` whose ranks are forked (by the zygote) from a process
+    that has torch loaded already."""
+
+    def start(self) -> "ForkedWorld":
+        if self.alive:
+            return self
+        self.close()
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        global _ZYGOTE
+        if _ZYGOTE is None:
+            _ZYGOTE = _Zygote()
+        t0 = time.perf_counter()
+        self._store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=_launch.START_TIMEOUT),
+                                    wait_for_workers=False)
+        self.port = self._store.port
+        cfg = dict(world_size=self.world_size, backend=self.backend, port=self.port, threads=self.threads,
+                   pg_timeout=max(self.timeout * 2, 120.0), pdeathsig=True)
+        for rank in range(self.world_size):
+            parent_sock, child_sock = socket.socketpair()
+            pid = _ZYGOTE.fork_rank(rank, child_sock.fileno(), cfg)
+            child_sock.close()
+            self._procs.append(_ForkedProc(pid, _ZYGOTE))
+            self._conns.append(mpc.Connection(parent_sock.detach()))
+            self._status.append("")
+        out: list[str] = []
+        self._collect(lambda msg: msg[0] == "ready", _launch.START_TIMEOUT, out, phase="starting")
+        self.start_seconds = time.perf_counter() - t0
+        return self
+
+
+def start_zygote() -> None:
+    """Fork the zygote now (call while this process is still single-threaded and clean)."""
+    global _ZYGOTE
+    if _ZYGOTE is None:
+        _ZYGOTE = _Zygote()
+
+
+def _world_class():
+    return _launch.World if os.environ.get("GRADER_SPAWN") == "1" else ForkedWorld
+
+
+# ----------------------------------------------------------------------------------------------
+# Graded reference functions call the learner's code in here
+
+
+_LOCAL = threading.local()
+
+
+def _delegate(ref: str, learner: str, args: tuple, kwargs: dict):
+    active = _LOCAL.__dict__.setdefault("active", set())
+    if learner in active:
+        raise RuntimeError(f"{learner.replace(':', '.')} calls the reference solution {ref.replace(':', '.')}; "
+                           "while grading, that reference runs your own function, so this never ends. "
+                           "Write the exercise yourself.")
+    active.add(learner)
+    try:
+        return _resolve(learner)(*args, **kwargs)
+    finally:
+        active.discard(learner)
+
+
+def install_guard(pairs) -> None:
+    """Make each graded reference function call the learner's function instead (``__code__`` is
+    swapped, so every alias — ``from reference.x import f`` included — sees the change)."""
+    for ref, learner in pairs:
+        try:
+            fn = _resolve(ref)
+        except Exception:
+            continue
+        code = getattr(fn, "__code__", None)
+        if code is None or code.co_freevars:
+            continue
+        src = (f"def {code.co_name}(*args, **kwargs):\n"
+               f"    import importlib\n"
+               f"    return importlib.import_module('exercises.grading.runner')._delegate({ref!r}, {learner!r}, args, kwargs)\n")
+        ns: dict = {}
+        exec(compile(src, f"<grader: {ref} runs your {learner}>", "exec"), {}, ns)
+        fn.__code__ = ns[code.co_name].__code__
+        fn.__defaults__, fn.__kwdefaults__ = None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# The request loop
+
+
+def main(fd: int, setup: str = "") -> None:
     import torch
     torch.set_num_threads(1)
-    from reference.launch import World, WorldError
+    import torch.distributed  # noqa: F401  (loaded before any learner code, and before forking ranks)
+
+    import exercises.grading.harness  # noqa: F401
+    options = pickle.loads(bytes.fromhex(setup)) if setup else {}
+    install_guard(options.get("guard", ()))
+    if _world_class() is ForkedWorld:
+        start_zygote()   # before any learner code or thread: its ranks start clean
+    WorldError = _launch.WorldError
 
     conn = mpc.Connection(fd)
-    worlds: dict[int, World] = {}
+    worlds: dict[int, Any] = {}
+    World = _world_class()
 
     def reply(obj: dict) -> None:
         buf = io.BytesIO()
@@ -72,6 +315,8 @@ def main(fd: int) -> None:
                     world = worlds[w] = World(w, timeout=tmo, echo=False)
                 res = world.run(_resolve(harness), module, *args, timeout=tmo)
                 reply({"values": res.values, "trace": [e.to_dict() for e in res.trace], "output": res.output[-4000:]})
+            elif req[0] == "ping":
+                reply({"value": "pong"})
             else:
                 reply({"error": {"kind": "exception", "type": "ValueError", "message": f"unknown request {req[0]!r}"}})
         except WorldError as e:
