@@ -22,6 +22,7 @@ from ..feedback import Mismatch, compare
 
 H = "exercises.grading.harness"
 ME = "exercises.grading.checks.sequence"
+RANKS_TIMEOUT = 12.0   # seconds: every multi-rank run here takes well under one; a deadlock is reported after this
 
 MERGE = exercise("5a.1", "Merge two partial attention results (online softmax)", "sequence", ["merge_attention"])
 SHARD = exercise("5a.2", "Shard a sequence: contiguous, zigzag, striped", "sequence",
@@ -535,39 +536,39 @@ def _ring_run(ctx, W: int, qkv, causal: bool, layout: str, **kw):
     return res
 
 
-@RING.check("one rank (W=1) gives full attention, causal and not")
+@RING.check("one rank (W=1) gives full attention, causal and not", timeout=RANKS_TIMEOUT)
 def _(ctx):
     for causal in (False, True):
         _ring_run(ctx, 1, ring_inputs(2, 2, 8, 8, seed=301), causal, "contiguous")
 
 
-@RING.check("W=2 contiguous, non-causal and causal, float64")
+@RING.check("W=2 contiguous, non-causal and causal, float64", timeout=RANKS_TIMEOUT)
 def _(ctx):
     for causal in (False, True):
         _ring_run(ctx, 2, ring_inputs(2, 3, 12, 8, seed=302), causal, "contiguous")
 
 
-@RING.check("W=3 and W=4 contiguous, causal and not (K/V must arrive from rank r−1)", points=2)
+@RING.check("W=3 and W=4 contiguous, causal and not (K/V must arrive from rank r−1)", points=2, timeout=RANKS_TIMEOUT)
 def _(ctx):
     for W in (3, 4):
         for causal in (True, False):
             _ring_run(ctx, W, ring_inputs(1, 2, 4 * W, 8, seed=303 + W), causal, "contiguous")
 
 
-@RING.check("zigzag causal on W=2, 3, 4 (and non-causal on W=3)", points=2)
+@RING.check("zigzag causal on W=2, 3, 4 (and non-causal on W=3)", points=2, timeout=RANKS_TIMEOUT)
 def _(ctx):
     for W in (2, 3, 4):
         _ring_run(ctx, W, ring_inputs(1, 2, 4 * W, 8, seed=310 + W), True, "zigzag")
     _ring_run(ctx, 3, ring_inputs(1, 2, 12, 8, seed=314), False, "zigzag")
 
 
-@RING.check("striped causal on W=3 and W=4")
+@RING.check("striped causal on W=3 and W=4", timeout=RANKS_TIMEOUT)
 def _(ctx):
     for W in (3, 4):
         _ring_run(ctx, W, ring_inputs(1, 2, 3 * W, 8, seed=320 + W), True, "striped")
 
 
-@RING.check("large logits stay finite and accurate (×30 in float64; ×4 in float32)")
+@RING.check("large logits stay finite and accurate (×30 in float64; ×4 in float32)", timeout=RANKS_TIMEOUT)
 def _(ctx):
     _ring_run(ctx, 4, ring_inputs(1, 2, 16, 16, seed=330, scale=30.0), True, "zigzag",
               words="W=4, zigzag, causal, large logits ×30")
@@ -601,7 +602,7 @@ def judge_ring_messages(trace: list[dict], W: int, n: int, Hkv: int, D: int, ite
                               f"(W−1)·2·n·H·D·itemsize = {W - 1}·2·{n}·{Hkv}·{D}·{itemsize} = {want}{hint}.")
 
 
-@RING.check("K/V travel forward: rank r sends (W−1)·2·n·H·D·b bytes to r+1 only, receives from r−1 only")
+@RING.check("K/V travel forward: rank r sends (W−1)·2·n·H·D·b bytes to r+1 only, receives from r−1 only", timeout=RANKS_TIMEOUT)
 def _(ctx):
     W, S, Hh, D = 4, 16, 2, 8
     res = _ring_run(ctx, W, ring_inputs(1, Hh, S, D, seed=340), False, "contiguous")
@@ -628,7 +629,7 @@ def judge_skipping(values: list[Any], trace: list[dict], W: int, n: int) -> None
                               f"pairs = c²·r + c(c+1)/2 (c = {n}).")
 
 
-@RING.check("fully masked blocks are skipped, not computed and thrown away (contiguous causal, W=4)")
+@RING.check("fully masked blocks are skipped, not computed and thrown away (contiguous causal, W=4)", timeout=RANKS_TIMEOUT)
 def _(ctx):
     W, S = 4, 16
     res = _ring_run(ctx, W, ring_inputs(1, 2, S, 8, seed=350), True, "contiguous")
@@ -714,12 +715,12 @@ def _ulysses_check(ctx, W: int, B: int, Hh: int, S: int, D: int) -> None:
     judge_ulysses(res.values, X, W)
 
 
-@ULYSSES.check("W=2: rank r gets head block r of all S tokens, and back (bitwise)")
+@ULYSSES.check("W=2: rank r gets head block r of all S tokens, and back (bitwise)", timeout=RANKS_TIMEOUT)
 def _(ctx):
     _ulysses_check(ctx, 2, 1, 4, 6, 3)
 
 
-@ULYSSES.check("W=4, batch 2, 8 heads: exact slices, bitwise round trip", points=2)
+@ULYSSES.check("W=4, batch 2, 8 heads: exact slices, bitwise round trip", points=2, timeout=RANKS_TIMEOUT)
 def _(ctx):
     _ulysses_check(ctx, 4, 2, 8, 8, 3)
 
@@ -736,13 +737,13 @@ def judge_ulysses_error(values: list[dict], W: int, Hh: int) -> None:
                           f"split over {W} ranks. Raise ValueError on every rank before any communication.")
 
 
-@ULYSSES.check("heads not divisible by W (6 heads on 4 ranks): ValueError on every rank, no hang")
+@ULYSSES.check("heads not divisible by W (6 heads on 4 ranks): ValueError on every rank, no hang", timeout=RANKS_TIMEOUT)
 def _(ctx):
     W, Hh = 4, 6
     X = heads_tokens_tensor(1, Hh, 8, 2)
     shards = [X[:, :, 2 * r:2 * r + 2].contiguous() for r in range(W)]
     try:
-        res = ctx.ranks(W, f"{ME}:ulysses_error_harness", shards, world_timeout=8.0)
+        res = ctx.ranks(W, f"{ME}:ulysses_error_harness", shards, timeout=8.0)
     except CheckFailed as e:
         if str(e).startswith("deadlock"):
             raise CheckFailed(str(e) + f"\n    With {Hh} heads on {W} ranks some ranks went on to the all-to-all "
