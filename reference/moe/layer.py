@@ -44,7 +44,9 @@ def route(x: torch.Tensor, router: nn.Linear, *, k: int, capacity: int | None, n
 
     jitter: Switch's router jitter (§2.4): multiply the router's INPUT by U(1-ε, 1+ε) while
     training.  random_second_expert: GShard's random routing (see :func:`gshard_random_routing`).
-    Both off by default: grading needs determinism.
+    Both off by default: grading needs determinism.  They draw from ``generator`` (default: the
+    global RNG), so an expert-parallel run matches a single-process one only if each rank's RNG
+    is seeded as the single process's was for the same tokens.
     """
     h = x
     if training and jitter > 0:
