@@ -140,3 +140,52 @@ def record_routing_traces(worlds: dict, ks=(1, 2), capacity_factors=(0.5, 1.0, 2
                     res = world.run(routing_run, E, k, cf, tokens, d_model, seed)
                     traces[(k, cf, E, W)] = res.trace
     return traces
+
+
+def train_toy_moe(aux_coef: float, *, steps: int = 300, num_experts: int = 4, d_model: int = 8,
+                  tokens: int = 64, router_bias: float = 2.0, lr: float = 1e-2, seed: int = 0) -> dict:
+    """Train a one-layer top-1 MoE (dropless) to fit y = sin(x·A), with ``aux_coef`` × the load-balancing loss.
+
+    The router starts skewed (``router_bias`` added to expert 0's weight on a constant input
+    feature), the situation in which a router without the auxiliary loss stays collapsed: the
+    favoured expert gets most tokens, learns fastest, and keeps them.  Returns per step the
+    fraction of tokens each expert received (``load``, steps × E), the task loss and the aux loss.
+    """
+    torch.manual_seed(seed)
+    layer = MoELayer(d_model, 2 * d_model, num_experts, k=1, dropless=True)
+    with torch.no_grad():
+        layer.router.weight[0, 0] += router_bias
+    A = torch.randn(d_model, d_model)
+    opt = torch.optim.Adam(layer.parameters(), lr=lr)
+    load, task, aux = [], [], []
+    for _ in range(steps):
+        x = torch.randn(tokens, d_model)
+        x[:, 0] = 1.0                                  # a constant feature: the router's bias
+        y, stats = layer(x)
+        mse = (y - torch.sin(x @ A)).pow(2).mean()
+        opt.zero_grad()
+        (mse + aux_coef * stats["aux_loss"]).backward()
+        opt.step()
+        load.append((stats["tokens_per_expert"].double() / tokens).tolist())
+        task.append(float(mse.detach()))
+        aux.append(float(stats["aux_loss"].detach()))
+    return {"load": load, "task_loss": task, "aux_loss": aux}
+
+
+def flops_per_token(num_experts: int, *, k: int = 2, d_model: int = 64, d_ff: int = 256, tokens: int = 256,
+                    seed: int = 0) -> dict:
+    """Count one forward's FLOPs of a dropless top-k :class:`MoELayer` with torch's FlopCounterMode.
+
+    Returns parameters, FLOPs per token (matmuls, as the counter reports them: 2·m·n·k each) and
+    the dense FFN's FLOPs per token for comparison (2 matmuls d_model × d_ff).
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+    torch.manual_seed(seed)
+    layer = MoELayer(d_model, d_ff, num_experts, k=k, dropless=True)
+    x = torch.randn(tokens, d_model)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        layer(x)
+    return {"experts": num_experts, "params": sum(p.numel() for p in layer.parameters()),
+            "flops_per_token": counter.get_total_flops() / tokens,
+            "dense_ffn_flops_per_token": 2 * 2 * d_model * d_ff,
+            "dense_ffn_params": 2 * d_model * d_ff + d_model + d_ff}
