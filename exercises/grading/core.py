@@ -369,6 +369,10 @@ class Context:
             raise CheckFailed(f"not implemented yet: {err.get('message') or 'NotImplementedError'}")
         if kind == "timeout":
             blocked = err.get("blocked", {})
+            if blocked and all(not b for b in blocked.values()):
+                raise CheckFailed(
+                    f"your code did not finish within {err.get('timeout', 0):g} s and no rank was communicating "
+                    f"(ranks {', '.join(map(str, sorted(blocked)))} were still running): a loop that never ends?")
             lines = [f"deadlock: after {err.get('timeout', 0):g} s ranks {', '.join(map(str, sorted(blocked)))} "
                      "were still waiting."]
             lines += [f"    rank {r}: {'blocked in ' + b if b else 'running (no communication in progress)'}"
@@ -378,9 +382,11 @@ class Context:
                 lines.append("    Likely mistake: a blocking ring — every rank sends first and waits for a "
                              "receiver that is itself sending. Post sends and receives together "
                              "(comm.exchange / batch_isend_irecv).")
-            elif blocked and all(not b for b in blocked.values()):
-                lines.append("    Likely mistake: a loop that never ends (no rank is communicating).")
             raise CheckFailed("\n".join(lines))
+        if err.get("type") == "SystemExit":
+            where = f" on rank {err['rank']}" if err.get("rank") is not None else ""
+            raise CheckFailed(f"your code called sys.exit({err.get('message')}){where}: exiting never passes a "
+                              "check; return the result instead.")
         if kind == "died":
             raise CheckFailed(f"a rank of your world died: {err.get('message')}")
         where = f" on rank {err['rank']}" if err.get("rank") is not None else ""

@@ -1,12 +1,16 @@
 """The grader's three outputs: a terminal/notebook summary, Gradescope's results.json, JUnit XML.
 
-Gradescope's format (its autograder specification): top-level ``score`` and ``tests``; each test has
-``name``, ``number``, ``score``, ``max_score``, ``status``, ``output`` and ``visibility``
-(``"visible"``, ``"hidden"``, ``"after_due_date"`` or ``"after_published"``).
+Gradescope's format (its autograder specification): top-level ``score``, ``execution_time``,
+``output`` and ``tests``; each test has ``name``, ``number``, ``score``, ``max_score``, ``status``
+(``"passed"``/``"failed"``), ``output`` and ``visibility`` (``"visible"``, ``"hidden"``,
+``"after_due_date"`` or ``"after_published"``).  Teachers' hidden checks are ``"hidden"``; the
+top-level ``output`` and the summary a student sees mention visible checks only.  Files are written
+by the grader's own process, last, through a temporary file and a rename.
 """
 from __future__ import annotations
 
 import html
+import io
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -54,7 +58,28 @@ def summary_html(results: Sequence[ExerciseResult]) -> str:
     return "".join(parts)
 
 
-def gradescope(results: Sequence[ExerciseResult], path: str | Path, *, execution_time: float | None = None) -> dict:
+def _write_atomic(path: str | Path, text: str) -> None:
+    """Write via a temporary file and a rename: whatever was at ``path`` (a file a submission
+    wrote, a symlink it planted) is replaced, never followed or appended to."""
+    import os
+    import tempfile
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".results-", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def gradescope_doc(results: Sequence[ExerciseResult], *, execution_time: float | None = None) -> dict:
+    """Gradescope's results.json as a dict: one test per check, numbered ``<exercise>.<k>``."""
     tests = []
     for ex in results:
         for i, c in enumerate(ex.checks, 1):
@@ -65,13 +90,28 @@ def gradescope(results: Sequence[ExerciseResult], path: str | Path, *, execution
                 "max_score": c.max_score,
                 "status": "passed" if c.passed else "failed",
                 "output": c.message or "passed",
+                "output_format": "text",
                 "visibility": "hidden" if c.hidden else "visible",
+                "tags": [f"exercise {ex.exercise.id}"],
+                "extra_data": {"exercise": ex.exercise.id, "seconds": round(c.seconds, 3)},
             })
+    visible = [(ex, [c for c in ex.checks if not c.hidden]) for ex in results]
+    lines = [f"Exercise {ex.exercise.id} — {ex.exercise.title}: "
+             f"{_fmt(sum(c.score for c in cs))}/{_fmt(sum(c.max_score for c in cs))} on the visible checks"
+             for ex, cs in visible]
     doc = {"score": sum(ex.score for ex in results), "tests": tests,
-           "output": summary_text(results, show_hidden=False).splitlines()[-1]}
+           "output": "\n".join(lines), "output_format": "text", "test_output_format": "text",
+           "stdout_visibility": "hidden",
+           "extra_data": {"max_score": sum(ex.max_score for ex in results)}}
     if execution_time is not None:
         doc["execution_time"] = round(execution_time, 2)
-    Path(path).write_text(json.dumps(doc, indent=2))
+    return doc
+
+
+def gradescope(results: Sequence[ExerciseResult], path: str | Path, *, execution_time: float | None = None) -> dict:
+    """Write Gradescope's results.json (its autograder specification) to ``path``; return it."""
+    doc = gradescope_doc(results, execution_time=execution_time)
+    _write_atomic(path, json.dumps(doc, indent=2))
     return doc
 
 
@@ -87,9 +127,12 @@ def junit(results: Sequence[ExerciseResult], path: str | Path) -> None:
         for c in ex.checks:
             tc = ET.SubElement(s, "testcase", classname=f"exercise_{ex.exercise.id.replace('.', '_')}",
                                name=c.name, time=f"{c.seconds:.3f}")
-            ET.SubElement(tc, "properties").append(ET.Element("property", name="points",
-                                                              value=f"{_fmt(c.score)}/{_fmt(c.max_score)}"))
+            props = ET.SubElement(tc, "properties")
+            props.append(ET.Element("property", name="points", value=f"{_fmt(c.score)}/{_fmt(c.max_score)}"))
+            props.append(ET.Element("property", name="visibility", value="hidden" if c.hidden else "visible"))
             if not c.passed:
                 f = ET.SubElement(tc, "failure", message=(c.message.splitlines() or ["failed"])[0])
                 f.text = c.message
-    ET.ElementTree(suites).write(str(path), encoding="utf-8", xml_declaration=True)
+    buf = io.BytesIO()
+    ET.ElementTree(suites).write(buf, encoding="utf-8", xml_declaration=True)
+    _write_atomic(path, buf.getvalue().decode("utf-8"))

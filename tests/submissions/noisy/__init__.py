@@ -1,0 +1,1 @@
+"""Correct, but prints warnings to stderr (and chatter to stdout) on every rank."""

@@ -1,0 +1,141 @@
+"""Grading survives broken and hostile submissions (fixtures in tests/submissions/).
+
+Each fixture is graded on exercises 0.1 and 0.2 through the real command line, with a short
+per-check time limit, writing Gradescope's results.json.  Every test proves three things: the
+misbehaving checks fail with a message that says what happened, the checks the submission really
+passes still earn their points (exercise 0.2 is implemented honestly in every fixture but two),
+and the score in results.json is the grader's, whatever the submission did.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 3   # seconds per check: a hang or a deadlock costs this much
+
+
+def grade(tmp_path: Path, fixture: str, *extra: str) -> tuple[dict, str]:
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "exercises.grade", "0.1", "0.2", "--solutions", f"tests.submissions.{fixture}",
+         "--timeout", str(TIMEOUT), "--quiet", "--gradescope", str(out), *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def by_exercise(doc: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for t in doc["tests"]:
+        out.setdefault(t["extra_data"]["exercise"], []).append(t)
+    return out
+
+
+def full_marks(tests: list[dict]) -> bool:
+    return all(t["score"] == t["max_score"] and t["status"] == "passed" for t in tests)
+
+
+def assert_score_is_sum(doc: dict) -> None:
+    assert doc["score"] == pytest.approx(sum(t["score"] for t in doc["tests"]))
+    for t in doc["tests"]:
+        assert t["score"] in (0, t["max_score"])
+        assert (t["status"] == "passed") == (t["score"] == t["max_score"])
+
+
+def test_multi_rank_deadlock_is_reported_as_deadlock_with_blocked_ranks_and_operation(tmp_path, no_orphans):
+    doc, _ = grade(tmp_path, "deadlock")
+    ex = by_exercise(doc)
+    assert_score_is_sum(doc)
+    failed = [t for t in ex["0.1"] if t["status"] == "failed"]
+    assert failed, "a send-then-recv ring must fail"
+    for t in failed:
+        assert "deadlock" in t["output"]
+        assert "rank 0: blocked in send to rank 1" in t["output"]
+        assert "blocking ring" in t["output"]          # the misconception by name
+    single = [t for t in ex["0.1"] if "single rank" in t["name"]]
+    assert single and full_marks(single)                 # N = 1 sends nothing: it really passes
+    assert full_marks(ex["0.2"])                         # and the run went on to the next exercise
+
+
+def test_infinite_loop_fails_only_its_check_within_the_time_limit(tmp_path, no_orphans):
+    t0 = time.perf_counter()
+    doc, _ = grade(tmp_path, "hang")
+    ex = by_exercise(doc)
+    assert_score_is_sum(doc)
+    failed = [t for t in ex["0.1"] if t["status"] == "failed"]
+    assert [t["name"] for t in failed] == [t["name"] for t in ex["0.1"] if "single rank" in t["name"]]
+    assert "did not finish within" in failed[0]["output"] and "loop" in failed[0]["output"]
+    assert full_marks(ex["0.2"])
+    assert time.perf_counter() - t0 < 60
+
+
+def test_segfault_on_one_rank_names_the_rank_and_the_signal(tmp_path, no_orphans):
+    doc, _ = grade(tmp_path, "segfault")
+    ex = by_exercise(doc)
+    assert_score_is_sum(doc)
+    failed = [t for t in ex["0.1"] if t["status"] == "failed"]
+    assert failed and all("rank 1" in t["output"] and "SIGSEGV" in t["output"] for t in failed)
+    assert all("3 ranks" in t["name"] for t in failed)   # only the checks on 3 ranks crash
+    assert any(t["status"] == "passed" for t in ex["0.1"])
+    assert full_marks(ex["0.2"])
+
+
+def test_sys_exit_and_os_exit_fail_their_checks_and_grading_goes_on(tmp_path, no_orphans):
+    doc, _ = grade(tmp_path, "exits")
+    ex = by_exercise(doc)
+    assert_score_is_sum(doc)
+    on2 = [t for t in ex["0.1"] if "on 2 ranks" in t["name"]]
+    on3 = [t for t in ex["0.1"] if "3 ranks" in t["name"]]
+    assert on2 and all(t["status"] == "failed" and "sys.exit(0)" in t["output"] for t in on2)
+    assert on3 and all(t["status"] == "failed" and "exited with code 0" in t["output"] for t in on3)
+    others = [t for t in ex["0.1"] if t not in on2 + on3]
+    assert others and full_marks(others)
+    assert full_marks(ex["0.2"])
+
+
+def test_exit_at_import_scores_zero_not_success(tmp_path, no_orphans):
+    doc, stdout = grade(tmp_path, "early_exit")
+    assert doc["score"] == 0
+    assert all(t["status"] == "failed" and "sys.exit" in t["output"] for t in doc["tests"])
+    assert "Exercise 0.2" in stdout                       # the grader finished and reported everything
+
+
+def test_printing_warnings_to_stderr_costs_no_points(tmp_path, no_orphans):
+    doc, _ = grade(tmp_path, "noisy")
+    assert full_marks(doc["tests"])
+    assert doc["score"] == sum(t["max_score"] for t in doc["tests"])
+
+
+def test_submission_cannot_write_results_json_even_from_a_detached_daemon(tmp_path, no_orphans):
+    doc, _ = grade(tmp_path, "tamper_results", "--junit", str(tmp_path / "junit.xml"))
+    ex = by_exercise(doc)
+    assert doc["score"] < 1000 and all(t["name"] != "tampered" for t in doc["tests"])
+    assert_score_is_sum(doc)
+    assert not full_marks(ex["0.1"]) and full_marks(ex["0.2"])
+    # The daemon the submission detached (double fork + setsid) was killed with its exercise:
+    time.sleep(0.5)
+    assert json.loads((tmp_path / "results.json").read_text()) == doc
+    assert (tmp_path / "junit.xml").read_text().startswith("<?xml")
+
+
+def test_monkeypatching_allclose_feedback_and_reference_changes_no_verdict(tmp_path, no_orphans):
+    doc, _ = grade(tmp_path, "monkeypatch")
+    ex = by_exercise(doc)
+    assert_score_is_sum(doc)
+    failed = [t for t in ex["0.1"] if t["status"] == "failed"]
+    assert len(failed) >= 3 and all("differs" in t["output"] for t in failed)
+    assert "equals this rank's input" in failed[0]["output"]   # a detector named the mistake
+    assert full_marks(ex["0.2"])
+
+
+def test_submitting_the_reference_functions_scores_zero(tmp_path, no_orphans):
+    doc, _ = grade(tmp_path, "calls_reference")
+    assert doc["score"] == 0
+    assert all("calls the reference solution" in t["output"] for t in doc["tests"])
