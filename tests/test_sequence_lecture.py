@@ -281,3 +281,15 @@ def test_ulysses_detector_describes_heads_and_tokens_received():
         checks.judge_ulysses(shuffled, X, W)
     with pytest.raises(CheckFailed, match="raised nothing"):
         checks.judge_ulysses_error([{"raised": "ValueError"}] * 3 + [{"raised": None}], W, 6)
+
+
+def test_a_trace_without_compute_events_shows_the_blocks_the_ring_order_implies(runs):
+    run = runs[("zigzag", 4, True)]
+    messages_only = [e for e in run.trace if e.op != "compute"]
+    for s in range(4):
+        full, bare = _state(run, s), ringw.ring_state(messages_only, s, world_size=4, layout="zigzag", causal=True,
+                                                      seq_len=L)
+        assert bare.inferred and not full.inferred
+        assert bare.holds == full.holds and bare.pairs == full.pairs and (bare.owner == full.owner).all()
+    bare = ringw.ring_state([], 2, world_size=3, layout="contiguous", causal=True, seq_len=L)
+    assert bare.holds_from == [1, 2, 0] and bare.computed == [False, False, True]   # only rank 2 looks back

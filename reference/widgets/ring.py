@@ -125,6 +125,7 @@ class RingState:
     pairs_step: list[int]                        # per rank, at this step only
     expected: list[int]                          # per rank at the end, from the formula
     recv_from: list[set[int]] = field(default_factory=list)   # per rank: peers it received from so far
+    inferred: bool = False       # the trace had no compute events: tiles follow the ring order, not the run
 
     @property
     def n_steps(self) -> int:
@@ -145,8 +146,11 @@ def ring_state(trace: Iterable[Any], step: int, *, world_size: int, layout: str,
         raise ValueError(f"step must be in [0, {W}), got {step}")
     events = list(trace)
     kv = [e for e in events if _get(e, "op") in ("send", "recv") and (_get(e, "meta") or {}).get("what") == "kv"]
-    blocks = [e for e in events if _get(e, "op") == "compute"
-              and (_get(e, "meta") or {}).get("what", "attn_fwd") == "attn_fwd" and _get(e, "step") is not None]
+    blocks = [e for e in events if _get(e, "op") == "compute" and _get(e, "step") is not None
+              and (_get(e, "meta") or {}).get("what", "attn_fwd") == "attn_fwd" and "q_chunks" in (_get(e, "meta") or {})]
+    inferred = not blocks
+    if inferred:   # a run that records no blocks (e.g. a learner's): show the blocks the ring order implies
+        blocks = _implied_blocks(W, layout, causal, L)
 
     holds: list[list[int] | None] = []
     for r in range(W):
@@ -161,6 +165,7 @@ def ring_state(trace: Iterable[Any], step: int, *, world_size: int, layout: str,
             ks = [int(c) for e in blocks if _get(e, "rank") == r and _get(e, "step") == step
                   for c in _get(e, "meta")["k_chunks"]]
             holds.append(sorted(set(ks)) or None)
+    holds = [h if h else own_chunks((r - step) % W, W, layout) if inferred else h for r, h in enumerate(holds)]
     holds_from = [chunk_owner(h[0], W, layout) if h else None for h in holds]
     hops: dict[tuple[int, int], tuple[list[int], int]] = {}      # (src, dst) -> (chunks, bytes), K and V together
     for e in kv:
@@ -194,7 +199,25 @@ def ring_state(trace: Iterable[Any], step: int, *, world_size: int, layout: str,
             pairs_step[r] += n
             computed[r] = True
     return RingState(step, W, layout, causal, L, [own_chunks(r, W, layout) for r in range(W)], holds, holds_from,
-                     sends, computed, owner, new, pairs, pairs_step, expected_pairs(L, W, layout, causal), recv_from)
+                     sends, computed, owner, new, pairs, pairs_step, expected_pairs(L, W, layout, causal), recv_from,
+                     inferred)
+
+
+def _implied_blocks(W: int, layout: str, causal: bool, L: int) -> list[dict]:
+    """Compute events as the ring order implies them: step s, rank r, K/V of rank (r - s) mod W,
+    none for a block with no unmasked pair."""
+    out = []
+    for s in range(W):
+        for r in range(W):
+            j = (r - s) % W
+            qt = np.concatenate([chunk_tokens(c, L, W, layout) for c in own_chunks(r, W, layout)])
+            kt = np.concatenate([chunk_tokens(c, L, W, layout) for c in own_chunks(j, W, layout)])
+            pairs = int((kt[None, :] <= qt[:, None]).sum()) if causal else len(qt) * len(kt)
+            if pairs:
+                out.append({"rank": r, "op": "compute", "step": s,
+                            "meta": {"q_chunks": own_chunks(r, W, layout), "k_chunks": own_chunks(j, W, layout),
+                                     "pairs": pairs}})
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,7 +381,9 @@ def draw_ring(fig, st: RingState) -> None:
     mx.set_ylabel("← query position", fontsize=8)
     done = int((st.owner >= 0).sum())
     total = int((st.owner != MASKED).sum())
-    mx.set_title(f"scores: {done}/{total} computed ({st.layout}{', causal' if st.causal else ''})", fontsize=9)
+    mx.set_title(f"scores: {done}/{total} computed ({st.layout}{', causal' if st.causal else ''})"
+                 + ("\n(inferred from the ring order: the run recorded no compute events)" if st.inferred else ""),
+                 fontsize=9)
 
     # -- pairs per rank --------------------------------------------------------------------------
     bx = fig.add_axes([0.75, 0.14, 0.24, 0.7])
