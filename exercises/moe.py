@@ -68,13 +68,14 @@ def load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor, num_exp
         P_i = (1/T) Σ_t p_{t,i}                       mean router probability
 
     Uniform probabilities give f_i = P_i = 1/E, so the loss is exactly 1.0 whatever the choices;
-    a collapsed router (every token to one expert with probability → 1) gives → E.  Only P carries
+    a collapsed top-1 router (every token to one expert with probability → 1) gives → E.  Only P carries
     gradient (f is a count), pushing probability away from over-loaded experts.
 
-    Where code differs: Switch counts the top-1 choice; GShard (and DeepSpeed's top-2) counts only
-    first choices and scales by E²/E (mean instead of sum); HF's Mixtral loss counts all k choices
-    but does not divide by k, so its uniform value is k.  Multiply by the coefficient α yourself
-    (Switch: 0.01).
+    Where code differs: Switch routes top-1, so f counts the one choice.  GShard-style top-2 code
+    (DeepSpeed, fairscale: ``mean(me · ce) · E²``) counts FIRST choices only — the same value as
+    here when k = 1.  HF's Mixtral loss counts all k choices but does not divide by k, so its
+    uniform value is k.  A top-k router's collapse value is E/k here (f_i <= 1/k).  Multiply by
+    the coefficient α yourself (Switch: 0.01).
 
     group: the process group the routing group's tokens are spread over (expert parallelism), or
     None for no communication (all tokens are here).  Counts, probability sums and T are

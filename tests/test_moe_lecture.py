@@ -47,7 +47,7 @@ def _synthetic(W=2, E=4, k=2, C=2, T=6, seed=0):
         routings.append(top_k_gating(logits, k, C))
     E_local = E // W
     trace = [_route_event(r, routings[r], E, k, C) for r in range(W)]
-    trace += [_a2a(r, what, W, E_local * C, 64) for r in range(W) for what in ("dispatch", "combine")]
+    trace += [_a2a(r, what, W, E_local * (C or 2), 64) for r in range(W) for what in ("dispatch", "combine")]
     return trace, routings
 
 
@@ -315,3 +315,38 @@ def test_grader_names_the_classic_mistake(tmp_path, monkeypatch, mutant, ex_id, 
     failed = [c.message for c in res.checks if not c.passed]
     assert failed and any(words in m for m in failed), failed
     sys.modules.pop(pkg.name, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# The drawing and the stubs' contract
+
+
+@pytest.mark.parametrize("W,E,k,C", [(1, 4, 1, 2), (2, 4, 2, 1), (4, 8, 2, None)])
+def test_every_phase_draws_for_top1_top2_and_dropless(W, E, k, C):
+    from reference.widgets.player import render_png
+    from reference.widgets.routing import draw_routing, routing_caption, routing_player
+    trace, _ = _synthetic(W=W, E=E, k=k, C=C, T=5)
+    for step in range(len(phases(k))):
+        st = routing_state(trace, step)
+        assert render_png(draw_routing, st, figsize=(8, 4.5), dpi=40).startswith(b"\x89PNG")
+        assert routing_caption(st)
+    if C is None:
+        assert st["dropless"] and not any(st["dropped"])
+    player = routing_player({(k, 1.0, E, W): trace}, k=k, capacity_factor=1.0, num_experts=E, world_size=W)
+    assert player.n_steps == len(phases(k))
+
+
+def test_exercise_stubs_have_the_reference_signatures_and_docstrings():
+    import inspect
+
+    import exercises.moe as stubs
+    import reference.moe as ref
+    for name in ("top_k_gating", "load_balancing_loss", "dispatch", "combine", "sync_moe_gradients"):
+        a, b = getattr(stubs, name), getattr(ref, name)
+        assert inspect.signature(a) == inspect.signature(b), name
+        assert a.__doc__ == b.__doc__, name
+        with pytest.raises(NotImplementedError, match="Exercise 5b"):
+            a(*[None] * len([p for p in inspect.signature(a).parameters.values()
+                             if p.default is inspect.Parameter.empty and p.kind != p.KEYWORD_ONLY]),
+              **{p.name: None for p in inspect.signature(a).parameters.values()
+                 if p.kind == p.KEYWORD_ONLY and p.default is inspect.Parameter.empty})
