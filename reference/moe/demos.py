@@ -101,18 +101,15 @@ def ep_dp_local_grads(world_size: int, ep: int, seed: int, *, num_experts: int =
 
 
 def routing_run(num_experts: int, k: int, capacity_factor: float, tokens: int = 8, d_model: int = 16,
-                seed: int = 0, dropless: bool = False, module: str = "reference.moe") -> dict:
+                seed: int = 0, dropless: bool = False) -> dict:
     """Rank worker: one expert-parallel forward of a seeded layer on this rank's ``tokens`` tokens.
 
     Every rank builds the same layer (same seed) and keeps its experts; rank r's tokens come from
     seed + 1 + r.  The trace (route, dispatch/combine all-to-alls, expert compute) is what the
     routing widget replays.  Returns this rank's counts.
     """
-    import importlib
-
     from .. import comm
     from .parallel import ExpertParallelMoE
-    importlib.import_module(module)   # the learner's package, when replaying their run
     torch.manual_seed(seed)
     layer = MoELayer(d_model, 2 * d_model, num_experts, k=k, capacity_factor=capacity_factor, dropless=dropless)
     with torch.no_grad():
