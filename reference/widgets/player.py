@@ -37,16 +37,18 @@ class Player:
 
     ``controls``: extra ipywidgets whose change calls ``rebuild(**values)`` → ``(state_at, n_steps)``,
     e.g. a layout dropdown that replays another trace.  ``caption(state) -> str`` writes a line of
-    text under the picture (what happens at this step).
+    text under the picture (what happens at this step).  ``static_step``: the frame of the static
+    picture a headless run shows.
     """
 
     def __init__(self, state_at: Callable[[int], Any], n_steps: int, draw: Callable[[Figure, Any], None], *,
                  controls: dict[str, Any] | None = None, rebuild: Callable[..., tuple] | None = None,
                  caption: Callable[[Any], str] | None = None, figsize=(9, 4.2), interval_ms: int = 900,
-                 title: str = ""):
+                 title: str = "", static_step: int = 0):
         self.state_at, self.n_steps, self.draw = state_at, n_steps, draw
         self.controls, self.rebuild = controls or {}, rebuild
         self.caption, self.figsize, self.interval_ms, self.title = caption, figsize, interval_ms, title
+        self.static_step = static_step   # the frame shown where widgets cannot run (nbconvert, nbval)
         self._widget = None
 
     # -- the picture -------------------------------------------------------------------------------
@@ -108,6 +110,6 @@ class Player:
         bundle = self.widget()._repr_mimebundle_(include=include, exclude=exclude) or {}
         import base64
         bundle = dict(bundle)
-        bundle["image/png"] = base64.b64encode(self.png(0)).decode()
+        bundle["image/png"] = base64.b64encode(self.png(min(self.static_step, max(0, self.n_steps - 1)))).decode()
         bundle.setdefault("text/plain", f"<{type(self).__name__}: {self.n_steps} steps>")
         return bundle
