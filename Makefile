@@ -25,3 +25,11 @@ test: $(VENV)/.stamp-test
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Teachers (see docs/teachers.md): the student release (no solution bodies) and the Gradescope bundle.
+.PHONY: release autograder
+release: $(VENV)/.stamp-test
+	$(VPY) -m exercises.grading.release student --out release
+
+autograder: $(VENV)/.stamp-test
+	$(VPY) -m exercises.grading.release autograder --out autograder

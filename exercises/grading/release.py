@@ -1,0 +1,345 @@
+"""Build what a teacher hands out: the student release and the Gradescope autograder bundle.
+
+    python -m exercises.grading.release student    [--out release]     # make release
+    python -m exercises.grading.release autograder [--out autograder]  # make autograder
+
+**Student release** (``release/splitting-the-work/`` and a zip beside it): the notebooks, the
+``exercises/`` stubs, the runtime, the widgets and the grader — but not the solutions.  Every
+graded function (found from the registry: ``Exercise.module`` + ``Exercise.functions``) keeps its
+signature and docstring in ``reference/``, and its body becomes a call to the learner's function
+in ``exercises.<module>``; so the whole reference works once the learner has written it, and says
+"not implemented" before (notebook cells wrap that in ``reference.course.needs``).  Teachers'
+hidden checks stay out.  Ground truth that checks take from graded functions (``ctx.oracle``) is
+recorded here, from the full reference, into ``exercises/grading/oracle_answers.pt``, which the
+release's grader loads by itself.
+
+**Autograder bundle** (``autograder/autograder.zip``): Gradescope's ``setup.sh`` and
+``run_autograder`` at the root, next to the full course (reference with bodies, hidden checks).
+``run_autograder`` copies the submitted exercise modules into a package of their own, grades
+them, and writes ``results.json``; paths come from environment variables so it runs anywhere
+(see the script).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import os
+import shutil
+import stat
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+NAME = "splitting-the-work"
+
+# What a release holds (relative to the repository root); caches and checkpoints never.
+STUDENT_PATHS = ["notebooks", "reference", "exercises", "scripts", "pyproject.toml", "README.md",
+                 "environment.yml", "Makefile", "LICENSE"]
+AUTOGRADER_PATHS = ["reference", "exercises", "scripts", "pyproject.toml", "README.md"]
+NEVER = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache", "oracle_answers.pt"}
+STUDENT_LEAVE_OUT = {"exercises/grading/hidden.py", "exercises/grading/release.py"}
+
+
+def _copy_tree(paths: list[str], dest: Path, leave_out: set[str] = frozenset()) -> None:
+    for rel in paths:
+        src = ROOT / rel
+        if not src.exists():
+            continue
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+            continue
+        for dirpath, dirnames, filenames in os.walk(src):
+            dirnames[:] = [d for d in dirnames if d not in NEVER and not d.endswith(".egg-info")]
+            for f in filenames:
+                p = Path(dirpath) / f
+                r = p.relative_to(ROOT).as_posix()
+                if f in NEVER or f.endswith((".pyc", ".pyo")) or r in leave_out:
+                    continue
+                (dest / r).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(p, dest / r)
+
+
+def _zip(src_dir: Path, zip_path: Path, prefix: str = "") -> None:
+    with zipfile.ZipFile(zip_path, "w", zipfile.ZIP_DEFLATED) as z:
+        for p in sorted(src_dir.rglob("*")):
+            if p.is_file():
+                info = zipfile.ZipInfo.from_file(p, (Path(prefix) / p.relative_to(src_dir)).as_posix())
+                info.compress_type = zipfile.ZIP_DEFLATED
+                z.writestr(info, p.read_bytes())
+
+
+# ----------------------------------------------------------------------------------------------
+# Taking the solutions out
+
+
+def _call_args(args: ast.arguments) -> str:
+    """Source of a call that passes a function's parameters on unchanged."""
+    parts = [a.arg for a in args.posonlyargs] + [a.arg for a in args.args]
+    if args.vararg:
+        parts.append("*" + args.vararg.arg)
+    parts += [f"{a.arg}={a.arg}" for a in args.kwonlyargs]
+    if args.kwarg:
+        parts.append("**" + args.kwarg.arg)
+    return ", ".join(parts)
+
+
+def delegate_source(path: Path, replacements: dict[str, str]) -> str:
+    """``path``'s source with each module-level function ``name`` in ``replacements`` reduced to
+    its docstring plus ``return <learner module>.<name>(...)``."""
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    tree = ast.parse(text)
+    edits = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in replacements:
+            body = node.body
+            has_doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+                and isinstance(body[0].value.value, str)
+            first = body[1] if has_doc and len(body) > 1 else (None if has_doc else body[0])
+            indent = " " * (body[0].col_offset)
+            learner = replacements[node.name]
+            new = (f"{indent}# The solution is yours to write: {learner}.{node.name} (this release has no body here).\n"
+                   f"{indent}from {learner} import {node.name} as _yours\n"
+                   f"{indent}return _yours({_call_args(node.args)})\n")
+            start = (first.lineno - 1) if first is not None else node.end_lineno   # 0-based line after the docstring
+            if first is not None and getattr(first, "decorator_list", None):
+                start = first.decorator_list[0].lineno - 1
+            edits.append((start, node.end_lineno, new))
+    for start, end, new in sorted(edits, reverse=True):
+        lines[start:end] = [new]
+    out = "".join(lines)
+    ast.parse(out)  # still Python
+    return out
+
+
+def strip_solutions(dest: Path, registry=None) -> list[tuple[str, str, str]]:
+    """Replace every graded reference function under ``dest`` by a delegation; return
+    ``(exercise id, file relative to dest, function name)`` for each."""
+    from . import core
+    by_file: dict[Path, dict[str, str]] = {}
+    done = []
+    for ex, name, fn in core.graded_functions(registry):
+        src = Path(inspect.getsourcefile(fn)).resolve()
+        rel = src.relative_to(ROOT)
+        by_file.setdefault(dest / rel, {})[fn.__name__] = f"exercises.{ex.module}"
+        done.append((ex.id, rel.as_posix(), fn.__name__))
+    for path, repl in by_file.items():
+        path.write_text(delegate_source(path, repl))
+    return done
+
+
+# ----------------------------------------------------------------------------------------------
+# Ground truth recorded from the full reference
+
+
+def record_oracle(ids=None, timeout: float | None = None) -> tuple[dict, list]:
+    """Grade the reference itself (it must score full marks) while recording every ``ctx.oracle``
+    answer; return ``(answers, results)``."""
+    from . import core
+    core.ORACLE.answers, core.ORACLE.record = None, {}
+    try:
+        results = core.grade("reference", ids, include_hidden=False, timeout=timeout)
+    finally:
+        answers, core.ORACLE.record = core.ORACLE.record, None
+    lost = [f"{r.exercise.id} {c.name}: {c.message.splitlines()[0] if c.message else ''}"
+            for r in results for c in r.checks if not c.passed]
+    if lost:
+        raise RuntimeError("the reference does not score full marks, so no release is built:\n  " + "\n  ".join(lost))
+    return answers, results
+
+
+def build_student(out: Path, ids=None, *, make_zip: bool = True, timeout: float | None = None) -> Path:
+    """Build the student release in ``out/splitting-the-work`` (and ``out/splitting-the-work.zip``)."""
+    import torch
+
+    from . import core
+    registry = core.load_checks()
+    t0 = time.perf_counter()
+    answers, results = record_oracle(ids, timeout=timeout)
+    graded = time.perf_counter() - t0
+    dest = out / NAME
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    _copy_tree(STUDENT_PATHS, dest, STUDENT_LEAVE_OUT)
+    stripped = strip_solutions(dest, registry)
+    torch.save(answers, dest / "exercises" / "grading" / "oracle_answers.pt")
+    (dest / "RELEASE.txt").write_text(
+        f"{NAME}: student release built {time.strftime('%Y-%m-%d %H:%M')}.\n"
+        f"Exercises: {', '.join(registry)}.\nFunctions you write (their reference bodies are not here):\n"
+        + "".join(f"  {i}  {f}: {n}\n" for i, f, n in stripped)
+        + f"Reference answers recorded for the grader: {len(answers)}.\n")
+    if make_zip:
+        _zip(dest, out / f"{NAME}.zip", prefix=NAME)
+    print(f"student release: {dest} ({len(stripped)} graded functions delegated, {len(answers)} oracle answers; "
+          f"reference graded in {graded:.1f} s)")
+    return dest
+
+
+def _absolute_imports(text: str, package: str) -> str:
+    """``text`` with every relative import made absolute (``from . import comm`` in package
+    ``reference`` -> ``from reference import comm``)."""
+    lines = text.splitlines(keepends=True)
+    edits = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")
+            base = base[: len(base) - (node.level - 1)]
+            mod = ".".join(base + ([node.module] if node.module else []))
+            new = ast.ImportFrom(module=mod, names=node.names, level=0)
+            indent = " " * node.col_offset
+            edits.append((node.lineno - 1, node.end_lineno, indent + ast.unparse(new) + "\n"))
+    for start, end, new in sorted(edits, reverse=True):
+        lines[start:end] = [new]
+    return "".join(lines)
+
+
+def install_finished_learner(release: Path, registry=None) -> list[str]:
+    """Turn a release's ``exercises/`` into the work of a learner who finished every exercise:
+    each graded function becomes the full reference's, from a private copy of its reference module
+    (``exercises/_finished_*.py``).  Used to prove a release's grader gives full marks."""
+    from . import core
+    written = []
+    per_module: dict[str, list[str]] = {}
+    for ex, name, fn in core.graded_functions(registry):
+        src = Path(inspect.getsourcefile(fn)).resolve()
+        private = "_finished_" + fn.__module__.replace(".", "_")
+        target = release / "exercises" / f"{private}.py"
+        if not target.exists():
+            package = fn.__module__.rpartition(".")[0] if not src.name == "__init__.py" else fn.__module__
+            target.write_text(_absolute_imports(src.read_text(), package))
+            written.append(target.name)
+        per_module.setdefault(ex.module, []).append(f"from exercises.{private} import {name}  # noqa: E402,F811\n")
+    for module, lines in per_module.items():
+        path = release / "exercises" / f"{module}.py"
+        path.write_text(path.read_text() + "\n# A learner who finished:\n" + "".join(lines))
+    return written
+
+
+# ----------------------------------------------------------------------------------------------
+# The Gradescope bundle
+
+SETUP_SH = r"""#!/usr/bin/env bash
+# Gradescope runs this once, as root, to build the autograder image (the bundle is unpacked in
+# /autograder/source).  It makes /autograder/source/.venv with torch 2.13.0 (a CPU build where the
+# platform allows, as scripts/bootstrap.py does) and the course, and an unprivileged user that
+# runs submitted code.
+set -euo pipefail
+SOURCE="${AUTOGRADER_SOURCE:-/autograder/source}"
+cd "$SOURCE"
+if ! command -v python3 >/dev/null || ! python3 -c "import venv, ensurepip" 2>/dev/null; then
+    apt-get update && apt-get install -y python3 python3-venv python3-pip
+fi
+python3 scripts/bootstrap.py
+if [ "$(id -u)" = 0 ] && ! id student >/dev/null 2>&1; then
+    useradd --no-create-home --shell /usr/sbin/nologin student || true
+fi
+chmod -R a+rX "$SOURCE"
+"""
+
+RUN_AUTOGRADER = r"""#!/usr/bin/env bash
+# Gradescope runs this for every submission.  Environment variables (Gradescope's paths by default):
+#   AUTOGRADER_SOURCE      the unpacked bundle                 (/autograder/source)
+#   AUTOGRADER_SUBMISSION  the student's files                 (/autograder/submission)
+#   AUTOGRADER_RESULTS     where results.json goes             (/autograder/results/results.json)
+#   AUTOGRADER_PYTHON      the Python to grade with            ($SOURCE/.venv/bin/python)
+#   AUTOGRADER_IDS         exercise ids to grade               (all)
+#   GRADER_TIMEOUT         seconds per check, at most          (60)
+set -uo pipefail
+SOURCE="${AUTOGRADER_SOURCE:-/autograder/source}"
+SUBMISSION="${AUTOGRADER_SUBMISSION:-/autograder/submission}"
+RESULTS="${AUTOGRADER_RESULTS:-/autograder/results/results.json}"
+PYTHON="${AUTOGRADER_PYTHON:-$SOURCE/.venv/bin/python}"
+mkdir -p "$(dirname "$RESULTS")"
+WORK="$(mktemp -d)"
+# Submitted code runs as an unprivileged user when we are root and setup.sh made one.
+if [ "$(id -u)" = 0 ] && id student >/dev/null 2>&1; then export GRADER_RUN_AS=student; fi
+cd "$WORK"
+PYTHONPATH="$WORK:$SOURCE" "$PYTHON" -m exercises.grading.release collect "$SUBMISSION" "$WORK/submission"
+chmod -R a+rX "$WORK"
+# shellcheck disable=SC2086
+PYTHONPATH="$WORK:$SOURCE" "$PYTHON" -m exercises.grade ${AUTOGRADER_IDS:-} --solutions submission \
+    --gradescope "$RESULTS" --quiet
+status=$?
+if [ $status -ne 0 ] || [ ! -s "$RESULTS" ]; then
+    PYTHONPATH="$SOURCE" "$PYTHON" -c "
+import json, sys
+json.dump({'score': 0, 'output': 'The autograder itself failed (exit status $status); please tell your teacher.',
+           'tests': []}, open(sys.argv[1], 'w'))" "$RESULTS"
+fi
+exit 0
+"""
+
+
+def collect_submission(submission: Path, dest: Path) -> list[str]:
+    """Copy the learner's exercise modules (``<module>.py`` for each registered exercise) from a
+    Gradescope submission into a fresh package ``dest``.  Accepted layouts: ``exercises/<m>.py``,
+    ``<m>.py`` at the top, or anywhere below.  A module not submitted is taken from the stubs (its
+    checks then say "not implemented").  Only these modules are taken: a submitted ``grading/`` or
+    anything else is ignored."""
+    from . import core
+    modules = sorted({ex.module for ex in core.load_checks().values()})
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "__init__.py").write_text('"""A submission, collected by the autograder."""\n')
+    found = []
+    for m in modules:
+        candidates = [submission / "exercises" / f"{m}.py", submission / f"{m}.py"]
+        candidates += sorted(submission.rglob(f"{m}.py"), key=lambda p: len(p.parts))
+        src = next((c for c in candidates if c.is_file() and "grading" not in c.parts), None)
+        if src is None:
+            src = ROOT / "exercises" / f"{m}.py"
+        else:
+            found.append(m)
+        shutil.copyfile(src, dest / f"{m}.py")
+    print(f"collected {', '.join(found) or 'nothing'} from {submission}; stubs for the rest")
+    return found
+
+
+def build_autograder(out: Path) -> Path:
+    """Build ``out/autograder.zip`` (and the unpacked ``out/bundle/``)."""
+    from . import core
+    core.load_checks()
+    bundle = out / "bundle"
+    if bundle.exists():
+        shutil.rmtree(bundle)
+    bundle.mkdir(parents=True)
+    _copy_tree(AUTOGRADER_PATHS, bundle)
+    for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER)):
+        p = bundle / name
+        p.write_text(text)
+        p.chmod(p.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    z = out / "autograder.zip"
+    _zip(bundle, z)
+    print(f"autograder bundle: {z} (setup.sh and run_autograder at its root; hidden checks included)")
+    return z
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m exercises.grading.release", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("student", help="build the student release")
+    s.add_argument("--out", default=str(ROOT / "release"))
+    s.add_argument("--no-zip", action="store_true")
+    s.add_argument("--ids", nargs="*", help="record oracle answers for these exercises only (tests)")
+    s.add_argument("--timeout", type=float, default=None)
+    a = sub.add_parser("autograder", help="build the Gradescope autograder bundle")
+    a.add_argument("--out", default=str(ROOT / "autograder"))
+    c = sub.add_parser("collect", help="(run_autograder) copy a submission's modules into a package")
+    c.add_argument("submission")
+    c.add_argument("dest")
+    args = p.parse_args(argv)
+    if args.what == "student":
+        build_student(Path(args.out), args.ids or None, make_zip=not args.no_zip, timeout=args.timeout)
+    elif args.what == "autograder":
+        build_autograder(Path(args.out))
+    else:
+        collect_submission(Path(args.submission), Path(args.dest))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

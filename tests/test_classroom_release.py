@@ -1,0 +1,121 @@
+"""The student release (``make release``): no solution bodies, hidden checks left out, a grader
+that scores the stubs 0 and a finished learner full marks from recorded reference answers, and
+notebooks that run (cells that need an exercise say so instead of failing).
+
+The release is built once for the module, recording reference answers for one exercise per
+learner module (to bound the time); the stripping and the scans cover every graded function.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from exercises.grading import core, release
+
+ROOT = Path(__file__).resolve().parent.parent
+REGISTRY = core.load_checks()
+GRADED = core.graded_functions(REGISTRY)
+# one exercise per learner module, in course order: 0.1, 5a.1, 5b.1, ... (whatever is registered)
+IDS = list({ex.module: ex.id for ex in reversed(list(REGISTRY.values()))}.values())[::-1]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("release")
+    return release.build_student(out, IDS, make_zip=True)
+
+
+def grade_in(release_dir: Path, tmp: Path, ids) -> dict:
+    res = tmp / "results.json"
+    proc = subprocess.run([sys.executable, "-m", "exercises.grade", *ids, "--quiet", "--gradescope", str(res)],
+                          cwd=release_dir, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(res.read_text())
+
+
+def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
+    return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+@pytest.mark.parametrize("ex,name,fn", GRADED, ids=[f"{e.id}-{n}" for e, n, _ in GRADED])
+def test_graded_function_in_release_is_only_docstring_and_delegation_to_learner(built, ex, name, fn):
+    rel = Path(inspect.getsourcefile(fn)).resolve().relative_to(ROOT)
+    node = _function(ast.parse((built / rel).read_text()), fn.__name__)
+    body = node.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        assert ast.get_docstring(node) == inspect.getdoc(fn)     # the docstring is kept
+        body = body[1:]
+    assert len(body) == 2, ast.unparse(node)
+    imp, ret = body
+    assert isinstance(imp, ast.ImportFrom) and imp.module == f"exercises.{ex.module}" and imp.names[0].name == name
+    assert isinstance(ret, ast.Return) and isinstance(ret.value, ast.Call)
+    original = _function(ast.parse(Path(inspect.getsourcefile(fn)).read_text()), fn.__name__)
+    assert ast.dump(node.args) == ast.dump(original.args)      # same signature
+
+
+def test_no_distinctive_solution_line_survives_anywhere_in_the_release(built):
+    release_text = "\n".join(p.read_text(errors="replace") for p in built.rglob("*") if p.suffix in (".py", ".ipynb"))
+    # what learners are shown anyway (stub hints, notebooks) is not a leak
+    public = "\n".join(p.read_text() for p in list((ROOT / "exercises").glob("*.py")) + list((ROOT / "notebooks").glob("*.ipynb")))
+    checked = 0
+    for ex, name, fn in GRADED:
+        src_file = Path(inspect.getsourcefile(fn)).read_text()
+        node = _function(ast.parse(src_file), fn.__name__)
+        start = node.body[1].lineno if ast.get_docstring(node) and len(node.body) > 1 else node.body[0].lineno
+        body_lines = src_file.splitlines()[start - 1:node.end_lineno]
+        outside = src_file.replace("\n".join(body_lines), "")
+        for line in body_lines:
+            s = line.strip()
+            if len(s) < 30 or s.startswith("#") or s in outside or s in public:
+                continue   # short or shared lines prove nothing
+            checked += 1
+            assert s not in release_text, f"{ex.id} {name}: solution line found in the release: {s!r}"
+    assert checked >= len(GRADED)   # the scan looked at real solution lines
+
+
+def test_release_has_no_hidden_checks_no_oracle_of_its_own_and_a_zip(built):
+    assert not (built / "exercises" / "grading" / "hidden.py").exists()
+    assert not (built / "exercises" / "grading" / "release.py").exists()
+    assert not (built / "tests").exists()
+    assert (built / "exercises" / "grading" / "oracle_answers.pt").stat().st_size > 0
+    assert (built.parent / f"{release.NAME}.zip").stat().st_size > 0
+    for p in built.rglob("*.py"):
+        assert "hidden_check(\"" not in p.read_text()
+
+
+def test_release_grader_scores_untouched_stubs_zero_saying_not_implemented(built, tmp_path):
+    doc = grade_in(built, tmp_path, IDS)
+    assert doc["score"] == 0 and doc["tests"]
+    assert all(t["visibility"] == "visible" for t in doc["tests"])           # no hidden checks in a release
+    assert all("not implemented" in t["output"] for t in doc["tests"]), \
+        [t["output"][:200] for t in doc["tests"] if "not implemented" not in t["output"]]
+
+
+def test_release_grader_gives_a_finished_learner_full_marks_from_recorded_answers(built, tmp_path):
+    done = tmp_path / "finished"
+    shutil.copytree(built, done)
+    release.install_finished_learner(done, REGISTRY)
+    doc = grade_in(done, tmp_path, IDS)
+    assert doc["tests"] and all(t["status"] == "passed" for t in doc["tests"]), \
+        [t["output"][:300] for t in doc["tests"] if t["status"] != "passed"]
+    assert doc["score"] == sum(REGISTRY[i].points - sum(c.points for c in REGISTRY[i].checks if c.hidden) for i in IDS)
+
+
+@pytest.mark.slow
+def test_release_notebook_runs_and_asks_for_the_exercise_instead_of_failing(built):
+    nb = built / "notebooks" / "00_ranks_and_collectives.ipynb"
+    if not nb.exists():
+        pytest.skip("notebook 00 not in this course yet")
+    import nbformat
+    from nbclient import NotebookClient
+    book = nbformat.read(nb, as_version=4)
+    NotebookClient(book, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(nb.parent)}}).execute()
+    text = "".join(o.get("text", "") for c in book.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "needs your solution to exercise 0.1" in text
