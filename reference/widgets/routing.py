@@ -382,7 +382,8 @@ def routing_player(traces: dict[tuple, Sequence[Any]], *, k: int = 2, capacity_f
     keys = list(traces)
     opts = {name: sorted({key[i] for key in keys}) for i, name in enumerate(("k", "cf", "E", "W"))}
     controls = {
-        "k": widgets.Dropdown(options=opts["k"], value=k, description="k", layout=widgets.Layout(width="120px")),
+        "k": widgets.Dropdown(options=opts["k"], value=k, description="k",
+                              layout=widgets.Layout(width="150px")),
         "cf": widgets.Dropdown(options=opts["cf"], value=capacity_factor, description="cap. factor",
                                layout=widgets.Layout(width="170px")),
         "E": widgets.Dropdown(options=opts["E"], value=num_experts, description="experts",
