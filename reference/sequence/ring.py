@@ -257,12 +257,8 @@ def _ring_backward(dout, q, k, v, out, lse, causal, layout, group, kernel):
                                             causal=p.causal)
                 dq[..., p.q, :] += dq_b
                 share = (p.k, dk_b, dv_b)
-        if s == 0:                                     # our own K/V: keep the share here
-            dk_own = torch.zeros(k.shape, dtype=acc, device=k.device)
-            dv_own = torch.zeros(v.shape, dtype=acc, device=v.device)
-            if share is not None:
-                dk_own[..., share[0], :] += share[1]
-                dv_own[..., share[0], :] += share[2]
+        if s == 0:                                     # our own K/V (step 0 covers every row): keep it here
+            dk_own, dv_own = share[1].to(acc), share[2].to(acc)
         else:                                          # add to the travelling accumulator, pass it on
             if s == 1:
                 dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
