@@ -139,3 +139,13 @@ def test_submitting_the_reference_functions_scores_zero(tmp_path, no_orphans):
     doc, _ = grade(tmp_path, "calls_reference")
     assert doc["score"] == 0
     assert all("calls the reference solution" in t["output"] for t in doc["tests"])
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to switch users")
+def test_submitted_code_can_run_as_an_unprivileged_user_and_cannot_touch_root_files(tmp_path, no_orphans,
+                                                                                     monkeypatch):
+    monkeypatch.setenv("GRADER_RUN_AS", "nobody")
+    doc, _ = grade(tmp_path, "tamper_results")
+    assert_score_is_sum(doc)
+    assert full_marks(by_exercise(doc)["0.2"]) and not full_marks(by_exercise(doc)["0.1"])
+    assert (tmp_path / "results.json").stat().st_uid == 0
