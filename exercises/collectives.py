@@ -12,7 +12,20 @@ import torch
 from reference import comm  # noqa: F401  (the traced send/recv/exchange you will need)
 from reference.collectives import chunk_bounds  # noqa: F401  (given: where each chunk starts and stops)
 
-__all__ = ["ring_all_reduce", "ring_all_gather"]
+__all__ = ["ring_reduce_scatter", "ring_all_reduce", "ring_all_gather"]
+
+
+def ring_reduce_scatter(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks of ``group``; return this rank's chunk of the sum.
+
+    tensor: any shape, same on every rank.  Returns the flat chunk ``(r + 1) mod N`` of
+    ``sum_ranks(tensor).flatten()`` (chunks as :func:`chunk_bounds`).  Bytes sent: (N-1)/N · n.
+    """
+    raise NotImplementedError(
+        "Exercise 0.1 (first half): ring reduce-scatter. Hints: cut tensor.flatten() into N chunks with "
+        "torch.tensor_split (clone them: you will add into them); for s in 0..N-2 send chunk (r - s) % N to "
+        "the next rank and add the chunk (r - s - 1) % N received from the previous one, posting both at once "
+        "with comm.exchange([(chunk, nxt)], [(buffer, prv)]).wait(). Return chunk (r + 1) % N.")
 
 
 def ring_all_reduce(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
@@ -23,10 +36,9 @@ def ring_all_reduce(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
     Bytes sent per rank: 2·(N-1)/N · tensor.nbytes (exactly, when N divides numel).
     """
     raise NotImplementedError(
-        "Exercise 0.1: ring all-reduce. Hints: flatten and cut the tensor into N chunks "
-        "(torch.tensor_split); for N-1 steps send chunk (r - s) % N to the next rank and add the chunk "
-        "(r - s - 1) % N received from the previous one; then N-1 more steps passing the finished chunks "
-        "on. Post each step's send and receive together with comm.exchange(...).wait().")
+        "Exercise 0.1: ring all-reduce. Hints: a ring reduce-scatter (above) leaves rank r with the complete "
+        "sum of chunk (r + 1) % N; a ring all-gather (exercise 0.2) hands the complete chunks round until "
+        "everyone has all of them. With one rank, return a copy. Keep the input unchanged and the shape.")
 
 
 def ring_all_gather(chunk: torch.Tensor, numel: int, *, group=None) -> torch.Tensor:

@@ -42,31 +42,22 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _ring_pass(chunks: list[torch.Tensor], first: int, reduce: bool, phase: str, group) -> None:
-    """N-1 ring steps; at step s this rank sends chunk (first - s) and receives chunk (first - s - 1)."""
-    n = comm.world_size(group)
-    nxt, prv = comm.ring_peers(group)
-    for s in range(n - 1):
-        send_c, recv_c = (first - s) % n, (first - s - 1) % n
-        buf = torch.empty_like(chunks[recv_c])
-        comm.exchange([(chunks[send_c], nxt)], [(buf, prv)], group=group, step=s,
-                      phase=phase, chunk=send_c, recv_meta={"chunk": recv_c}).wait()
-        if reduce:
-            chunks[recv_c] += buf
-        else:
-            chunks[recv_c].copy_(buf)
-
-
 def ring_reduce_scatter(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
     """Sum ``tensor`` over the ranks of ``group``; return this rank's chunk of the sum.
 
     tensor: any shape, same on every rank.  Returns the flat chunk ``(r + 1) mod N`` of
     ``sum_ranks(tensor).flatten()`` (chunks as :func:`chunk_bounds`).  Bytes sent: (N-1)/N · n.
     """
-    r = comm.rank(group)
-    chunks = [c.clone() for c in torch.tensor_split(tensor.detach().flatten(), comm.world_size(group))]
-    _ring_pass(chunks, first=r, reduce=True, phase="reduce-scatter", group=group)
-    return chunks[(r + 1) % comm.world_size(group)]
+    n, r = comm.world_size(group), comm.rank(group)
+    nxt, prv = comm.ring_peers(group)
+    chunks = [c.clone() for c in torch.tensor_split(tensor.detach().flatten(), n)]
+    for s in range(n - 1):
+        send_c, recv_c = (r - s) % n, (r - s - 1) % n     # pass on chunk r-s, receive chunk r-s-1
+        buf = torch.empty_like(chunks[recv_c])
+        comm.exchange([(chunks[send_c], nxt)], [(buf, prv)], group=group, step=s,
+                      phase="reduce-scatter", chunk=send_c, recv_meta={"chunk": recv_c}).wait()
+        chunks[recv_c] += buf                              # now holds s + 2 ranks' contributions
+    return chunks[(r + 1) % n]
 
 
 def ring_all_gather(chunk: torch.Tensor, numel: int, *, group=None) -> torch.Tensor:
@@ -76,13 +67,17 @@ def ring_all_gather(chunk: torch.Tensor, numel: int, *, group=None) -> torch.Ten
     Returns the whole flat tensor (``numel`` elements) on every rank.  Bytes sent: (N-1)/N · n.
     """
     n, r = comm.world_size(group), comm.rank(group)
+    nxt, prv = comm.ring_peers(group)
     chunks = [torch.empty(b - a, dtype=chunk.dtype, device=chunk.device) for a, b in chunk_bounds(numel, n)]
     own = (r + 1) % n
     if chunks[own].shape != chunk.shape:
         raise ValueError(f"rank {r}: chunk has {chunk.numel()} elements, expected {chunks[own].numel()} "
                          f"(chunk {own} of {numel} split {n} ways)")
     chunks[own].copy_(chunk)
-    _ring_pass(chunks, first=own, reduce=False, phase="all-gather", group=group)
+    for s in range(n - 1):
+        send_c, recv_c = (own - s) % n, (own - s - 1) % n  # pass on the newest complete chunk
+        comm.exchange([(chunks[send_c], nxt)], [(chunks[recv_c], prv)], group=group, step=s,
+                      phase="all-gather", chunk=send_c, recv_meta={"chunk": recv_c}).wait()
     return torch.cat(chunks)
 
 

@@ -192,34 +192,11 @@ class ForkedWorld(_launch.World):
     """A :class:`reference.launch.World` whose ranks are forked (by the zygote) from a process
     that has torch loaded already."""
 
-    def start(self) -> "ForkedWorld":
-        if self.alive:
-            return self
-        self.close()
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
+    def _spawn_rank(self, rank: int, fd: int, cfg: dict, env: dict) -> "_ForkedProc":
         global _ZYGOTE
         if _ZYGOTE is None:
             _ZYGOTE = _Zygote()
-        t0 = time.perf_counter()
-        self._store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=_launch.START_TIMEOUT),
-                                    wait_for_workers=False)
-        self.port = self._store.port
-        cfg = dict(world_size=self.world_size, backend=self.backend, port=self.port, threads=self.threads,
-                   pg_timeout=max(self.timeout * 2, 120.0), pdeathsig=True)
-        for rank in range(self.world_size):
-            parent_sock, child_sock = socket.socketpair()
-            pid = _ZYGOTE.fork_rank(rank, child_sock.fileno(), cfg)
-            child_sock.close()
-            self._procs.append(_ForkedProc(pid, _ZYGOTE))
-            self._conns.append(mpc.Connection(parent_sock.detach()))
-            self._status.append("")
-        out: list[str] = []
-        self._collect(lambda msg: msg[0] == "ready", _launch.START_TIMEOUT, out, phase="starting")
-        self.start_seconds = time.perf_counter() - t0
-        return self
+        return _ForkedProc(_ZYGOTE.fork_rank(rank, fd, dict(cfg, pdeathsig=True)), _ZYGOTE)
 
 
 def start_zygote() -> None:

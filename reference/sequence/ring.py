@@ -14,7 +14,8 @@ computes attention of its own queries over that block, folds the result into a r
 Overlap.  The hop that brings step s+1's block is *posted* (``comm.exchange``, non-blocking send
 and receive together) before step s's block is computed and waited for after it, so the transfer
 hides behind the compute.  Two buffers alternate: one being computed on and sent, one receiving.
-Hop s (s = 0 .. W−2) is traced with ``step=s, what="kv", chunks=<global chunk ids it carries>``.
+Hop s (s = 0 .. W−2) is traced with ``step=s, what="kv", chunks=<global chunk ids it carries>`` (on
+a receive event, the ids of the chunks received).
 
 Causal masking per block.  Whether a query chunk sees a key chunk depends only on the chunks'
 positions, so each step computes at most one rectangle with the fused kernel, in one of three
@@ -189,7 +190,8 @@ def _ring_forward(q, k, v, causal, layout, group, kernel):
             if spare is None:
                 spare = (torch.empty_like(k_cur), torch.empty_like(v_cur))
             hop = comm.exchange([(k_cur, nxt), (v_cur, nxt)], [(spare[0], prv), (spare[1], prv)],
-                                group=group, step=s, what="kv", phase="fwd", chunks=chunk_ids(j, W, layout))
+                                group=group, step=s, what="kv", phase="fwd", chunks=chunk_ids(j, W, layout),
+                                recv_meta={"chunks": chunk_ids((j - 1) % W, W, layout)})
         for p in block_plan(r, j, W, layout, causal, n):
             with trace.span("compute", step=s, what="attn_fwd", layout=layout, q_chunks=p.q_chunks,
                             k_chunks=p.k_chunks, tiles=p.tiles, pairs=p.pairs):
@@ -247,7 +249,8 @@ def _ring_backward(dout, q, k, v, out, lse, causal, layout, group, kernel):
             if spare is None:
                 spare = (torch.empty_like(k_cur), torch.empty_like(v_cur))
             hop = comm.exchange([(k_cur, nxt), (v_cur, nxt)], [(spare[0], prv), (spare[1], prv)],
-                                group=group, step=s, what="kv", phase="bwd", chunks=chunk_ids(j, W, layout))
+                                group=group, step=s, what="kv", phase="bwd", chunks=chunk_ids(j, W, layout),
+                                recv_meta={"chunks": chunk_ids((j - 1) % W, W, layout)})
         share = None                                   # (k rows, dk, dv) of this step's block
         for p in block_plan(r, j, W, layout, causal, n):
             with trace.span("compute", step=s, what="attn_bwd", layout=layout, q_chunks=p.q_chunks,
@@ -273,7 +276,8 @@ def _ring_backward(dout, q, k, v, out, lse, causal, layout, group, kernel):
                 dk_acc[..., share[0], :] += share[1]
                 dv_acc[..., share[0], :] += share[2]
             dkv_hop = comm.exchange([(dk_acc, nxt), (dv_acc, nxt)], [(dkv_spare[0], prv), (dkv_spare[1], prv)],
-                                    group=group, step=s, what="dkv", phase="bwd", chunks=chunk_ids(j, W, layout))
+                                    group=group, step=s, what="dkv", phase="bwd", chunks=chunk_ids(j, W, layout),
+                                recv_meta={"chunks": chunk_ids((j - 1) % W, W, layout)})
         if hop is not None:
             hop.wait()
             received = spare

@@ -42,3 +42,10 @@ def ring_all_reduce(tensor, *, group=None):
     chunks = [c.clone() for c in torch.tensor_split(tensor.detach().flatten(), n)]
     _pass(chunks, r, True, group)
     return ring_all_gather(chunks[(r + 1) % n], tensor.numel(), group=group).view(tensor.shape)
+
+
+def ring_reduce_scatter(tensor, *, group=None):
+    n, r = comm.world_size(group), comm.rank(group)
+    chunks = [c.clone() for c in torch.tensor_split(tensor.detach().flatten(), n)]
+    _pass(chunks, r, True, group)
+    return chunks[(r + 1) % n]

@@ -10,7 +10,7 @@ from ..feedback import Mismatch
 
 H = "exercises.grading.harness"
 
-ALL_REDUCE = exercise("0.1", "Ring all-reduce from send/recv", "collectives", ["ring_all_reduce"])
+ALL_REDUCE = exercise("0.1", "Ring all-reduce from send/recv", "collectives", ["ring_reduce_scatter", "ring_all_reduce"])
 ALL_GATHER = exercise("0.2", "Ring all-gather from send/recv", "collectives", ["ring_all_gather"])
 
 
@@ -51,6 +51,19 @@ def _all_reduce_case(ctx, n: int, shape, seed: int, scale: float = 1.0, case: st
         ctx.compare(res.values[r], want, "sum", rank=r, world_size=n, atol=1e-9 * scale, rtol=1e-9, case=case,
                     detectors=[only_own_chunk_summed, sum_of_two], extra={"inputs": xs, "input": xs[r]})
     return res
+
+
+@ALL_REDUCE.check("reduce-scatter leaves rank r the full sum of chunk (r+1) mod N (N = 3)")
+def _(ctx):
+    n = 3
+    xs = _inputs(n, (10,), seed=6)
+    res = ctx.ranks(n, f"{H}:call_per_rank", "ring_reduce_scatter", [(x,) for x in xs])
+    total = torch.stack(xs).sum(0)
+    bounds = chunk_bounds(10, n)
+    for r in range(n):
+        a, b = bounds[(r + 1) % n]
+        ctx.compare(res.values[r], total[a:b], f"chunk {(r + 1) % n} of the sum", rank=r, world_size=n,
+                    atol=1e-12, rtol=1e-12)
 
 
 @ALL_REDUCE.check("sums on 2 ranks")

@@ -2,6 +2,7 @@ import torch
 import torch.distributed as dist
 
 from reference import comm
+from .._ring import ring_reduce_scatter  # noqa: F401  (correct)
 from .._ring import ring_all_gather  # noqa: F401  (correct)
 
 

@@ -2,6 +2,7 @@ import os
 import sys
 
 from reference import comm
+from .._ring import ring_reduce_scatter  # noqa: F401  (correct)
 from .._ring import ring_all_gather, ring_all_reduce as _honest  # noqa: F401
 
 

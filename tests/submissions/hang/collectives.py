@@ -1,3 +1,4 @@
+from .._ring import ring_reduce_scatter  # noqa: F401  (correct)
 from .._ring import ring_all_gather, ring_all_reduce as _honest  # noqa: F401
 
 from reference import comm

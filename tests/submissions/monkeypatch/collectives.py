@@ -1,6 +1,7 @@
 import torch
 import torch.testing
 
+from .._ring import ring_reduce_scatter  # noqa: F401  (correct)
 from .._ring import ring_all_gather  # noqa: F401  (correct)
 
 
