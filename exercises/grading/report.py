@@ -50,7 +50,8 @@ def summary_html(results: Sequence[ExerciseResult]) -> str:
         parts.append(f"<div style='margin:4px 0'><b style='color:{colour}'>Exercise {html.escape(ex.exercise.id)} — "
                      f"{html.escape(ex.exercise.title)}: {_fmt(ex.score)}/{_fmt(ex.max_score)}</b><ul style='margin:2px 0'>")
         for c in ex.checks:
-            mark = "✅" if c.passed else "❌"
+            # ✔/✘ are in the common text fonts (DejaVu); emoji fonts are often missing on Linux.
+            mark = ("<b style='color:#2e7d32'>✔ PASS</b>" if c.passed else "<b style='color:#c62828'>✘ FAIL</b>")
             msg = f"<pre style='white-space:pre-wrap;margin:2px 0 6px 0'>{html.escape(c.message)}</pre>" if c.message else ""
             parts.append(f"<li>{mark} {html.escape(c.name)} <span style='color:#777'>"
                          f"({_fmt(c.score)}/{_fmt(c.max_score)}, {c.seconds:.1f} s)</span>{msg}</li>")
