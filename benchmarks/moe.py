@@ -68,9 +68,9 @@ def throughput(args) -> None:
             mode = "dropless" if dropless else "capacity"
             print(f"   {mode:9s} expert-parallel {W} ranks × 1 thread : {n / ep:10.0f} tok/s")
             print(f"   {mode:9s} one process, loop over experts, 1 thread : {n / one:10.0f} tok/s"
-                  f"   (EP is {one / ep:.2f}× faster)")
+                  f"   (EP tokens/s ÷ this = {one / ep:.2f})")
             print(f"   {mode:9s} one process, loop over experts, {W} threads: {n / many:10.0f} tok/s"
-                  f"   (EP is {many / ep:.2f}× faster)")
+                  f"   (EP tokens/s ÷ this = {many / ep:.2f})")
     torch.set_num_threads(1)
 
 
