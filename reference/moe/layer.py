@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 from .. import trace
-from .routing import expert_capacity, load_balancing_loss, router_dtype, router_z_loss, top_k_gating, \
-    gshard_random_routing
+from .routing import expert_capacity, gshard_random_routing, load_balancing_loss, router_z_loss, top_k_gating
 
 __all__ = ["Expert", "MoELayer", "route"]
 

@@ -144,7 +144,7 @@ def dispatch(x: torch.Tensor, routing: dict, num_experts: int, capacity: int, gr
     for each of this rank's experts, C slots from each source rank in rank order (zeros where no
     token was assigned).
     """
-    (W, E_local), (T, d) = _experts_per_rank(num_experts, group), x.shape
+    (W, E_local), d = _experts_per_rank(num_experts, group), x.shape[1]
     t, j, e = _kept_assignments(routing)
     rows = e * capacity + routing["slot"][t, j]
     buffer = x.new_zeros(num_experts * capacity, d).index_add(0, rows, x[t])           # (E·C, d)

@@ -58,7 +58,7 @@ import torch
 
 from .. import comm, trace
 from .blockwise import block_kernels, causal_pairs, merge_attention
-from .layouts import LAYOUTS, check_layout, chunk_ids
+from .layouts import check_layout, chunk_ids
 
 __all__ = ["ring_attention", "ring_attention_forward", "block_plan", "Piece", "tile_kind",
            "check_attention_inputs"]

@@ -82,7 +82,7 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     q: (B, H, S/(U·R), D), k, v: (B, H_kv, S/(U·R), D) — this rank's piece as :func:`usp_shard`.
     Returns this rank's rows of full attention, (B, H, S/(U·R), D).  Differentiable.
     """
-    U, R = comm.world_size(ulysses_group), comm.world_size(ring_group)
+    U = comm.world_size(ulysses_group)
     check_ulysses_inputs(q, k, v, U)
     check_layout(layout)
     if layout == "zigzag" and (q.shape[2] * U) % 2:

@@ -23,7 +23,6 @@ experts, ranks) around traces recorded up front, so that moving a control only s
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Iterable, Sequence
 
 __all__ = ["phases", "routing_state", "bytes_per_phase", "draw_routing", "routing_caption", "routing_player",
