@@ -149,3 +149,17 @@ def test_submitted_code_can_run_as_an_unprivileged_user_and_cannot_touch_root_fi
     assert_score_is_sum(doc)
     assert full_marks(by_exercise(doc)["0.2"]) and not full_marks(by_exercise(doc)["0.1"])
     assert (tmp_path / "results.json").stat().st_uid == 0
+
+
+def test_feedback_names_the_classic_ring_mistakes(tmp_path, no_orphans):
+    doc, _ = grade(tmp_path, "mistakes")
+    ex = by_exercise(doc)
+    assert_score_is_sum(doc)
+    rs = [t for t in ex["0.1"] if "reduce-scatter" in t["name"]]
+    assert full_marks(rs)                                   # the correct half earns its point
+    sums = [t for t in ex["0.1"] if "sums on" in t["name"] and "int64" not in t["name"]]
+    assert sums and all(t["status"] == "failed" and "all-gather pass" in t["output"] for t in sums)
+    on4 = [t for t in ex["0.2"] if "4 ranks" in t["name"]]
+    assert on4 and "the ring runs the other way round" in on4[0]["output"]
+    uneven = [t for t in ex["0.2"] if "uneven" in t["name"]]
+    assert uneven and "SIGABRT" in uneven[0]["output"] and "does not fit the buffer" in uneven[0]["output"]

@@ -388,7 +388,12 @@ class Context:
             raise CheckFailed(f"your code called sys.exit({err.get('message')}){where}: exiting never passes a "
                               "check; return the result instead.")
         if kind == "died":
-            raise CheckFailed(f"a rank of your world died: {err.get('message')}")
+            msg = f"a rank of your world died: {err.get('message')}"
+            if "SIGABRT" in msg:
+                msg += ("\n    Likely mistake: gloo aborts a rank when a message does not fit the buffer posted to "
+                        "receive it — a send and its matching recv disagree on the size (which chunk, or which "
+                        "way round the ring the data flows).")
+            raise CheckFailed(msg)
         where = f" on rank {err['rank']}" if err.get("rank") is not None else ""
         tb = err.get("traceback", "")
         tail = "\n".join(tb.strip().splitlines()[-6:]) if tb else ""

@@ -43,9 +43,20 @@ def sum_of_two(m: Mismatch) -> str | None:
     return None
 
 
+def _ring_direction(ctx, res, n: int) -> None:
+    """Fail with the misconception by name if every rank sends to its previous rank (n >= 3)."""
+    if n < 3:
+        return
+    backwards = all({e["peer"] for e in res.events("send", rank=r)} == {(r - 1) % n} for r in range(n))
+    ctx.expect(not backwards, "every rank sends to the previous rank: the ring runs the other way round. In this "
+               "course data flows forward: rank r sends to r+1 and receives from r-1 (comm.ring_peers() gives "
+               "(next, prev)); the chunk indices in the hints assume that direction.")
+
+
 def _all_reduce_case(ctx, n: int, shape, seed: int, scale: float = 1.0, case: str = "") -> None:
     xs = _inputs(n, shape, seed, scale)
     res = ctx.ranks(n, f"{H}:call_per_rank", "ring_all_reduce", [(x,) for x in xs])
+    _ring_direction(ctx, res, n)
     want = torch.stack(xs).sum(0)
     for r in range(n):
         ctx.compare(res.values[r], want, "sum", rank=r, world_size=n, atol=1e-9 * scale, rtol=1e-9, case=case,
@@ -113,6 +124,7 @@ def _gather_case(ctx, n: int, numel: int, seed: int):
         a, b = bounds[(r + 1) % n]
         args.append((full[a:b].clone(), numel))
     res = ctx.ranks(n, f"{H}:call_per_rank", "ring_all_gather", args)
+    _ring_direction(ctx, res, n)
     for r in range(n):
         ctx.compare(res.values[r], full, "gathered tensor", rank=r, world_size=n, atol=0, rtol=0)
     return res
@@ -135,4 +147,7 @@ def _(ctx):
     want = (n - 1) * (numel // n) * 8
     for r in range(n):
         sent = sum(e["nbytes"] for e in res.events("send", rank=r))
+        peers = {e["peer"] for e in res.events("send", rank=r)}
         ctx.expect(sent == want, f"rank {r} sent {sent} bytes; a ring all-gather sends (N-1)/N·n = {want}.")
+        ctx.expect(peers == {(r + 1) % n}, f"rank {r} sent to ranks {sorted(peers)}: the ring runs the other way "
+                   f"round — each rank sends to the next one ({(r + 1) % n}) and receives from the previous one.")
