@@ -148,8 +148,9 @@ def _box(x, y, w, h, face, edge, alpha=1.0, ls="-"):
 
 
 def collective_player(trace: Trace, world_size: int, *, start: str = "all", total_bytes: int | None = None,
-                      formula: str = "", title: str = ""):
-    """A :class:`~reference.widgets.player.Player` over the frames of ``trace``."""
+                      formula: str = "", title: str = "", static_step: int = 0):
+    """A :class:`~reference.widgets.player.Player` over the frames of ``trace``
+    (``static_step``: the frame a headless run shows as a picture)."""
     from .player import Player
     frames = collective_frames(trace, world_size, start=start)
 
@@ -161,4 +162,4 @@ def collective_player(trace: Trace, world_size: int, *, start: str = "all", tota
 
     return Player(lambda i: frames[i], len(frames),
                   lambda fig, fr: draw_frame(fig, fr, total_bytes=total_bytes, formula=formula),
-                  caption=caption, title=title, figsize=(9, 4.2))
+                  caption=caption, title=title, figsize=(9, 4.2), static_step=static_step)
