@@ -25,8 +25,8 @@ from . import trace
 from .trace import span
 
 __all__ = ["rank", "world_size", "ring_peers", "send", "recv", "exchange", "Pending", "all_reduce",
-           "all_gather", "reduce_scatter", "all_to_all_single", "all_to_all", "broadcast", "barrier",
-           "new_group", "nbytes"]
+           "all_gather", "reduce_scatter", "all_to_all_single", "all_to_all", "all_to_all_autograd", "broadcast",
+           "barrier", "new_group", "nbytes"]
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -198,6 +198,53 @@ def all_to_all(outputs: list[torch.Tensor], inputs: list[torch.Tensor], *, group
     with span("all_to_all", nbytes=sum(nbytes(t) for t in inputs), step=step, **meta):
         dist.all_to_all(outputs, [t.contiguous() for t in inputs], group=group)
     return outputs
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: rows ``send_splits[d]`` go to rank d.  Backward: the same with the splits swapped —
+    the adjoint of a permutation of rows across ranks is the inverse permutation."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group, meta):
+        ctx.splits, ctx.group, ctx.meta = (send_splits, recv_splits), group, meta
+        return _all_to_all_rows(x, send_splits, recv_splits, group, meta)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        meta = {**ctx.meta, "what": ctx.meta.get("what", "all_to_all") + ".backward"}
+        if "tokens_per_dest" in meta:
+            meta["tokens_per_dest"] = list(recv_splits)
+        return _all_to_all_rows(grad, recv_splits, send_splits, ctx.group, meta), None, None, None, None
+
+
+def _all_to_all_rows(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, meta: dict) -> torch.Tensor:
+    out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+    if not dist.is_initialized():          # one process, nothing to exchange
+        return out.copy_(x)
+    return all_to_all_single(out, x.contiguous(), list(recv_splits), list(send_splits), group=group, **meta)
+
+
+def all_to_all_autograd(x: torch.Tensor, send_splits: list[int] | None = None, recv_splits: list[int] | None = None,
+                        *, group=None, what: str = "all_to_all", **meta: Any) -> torch.Tensor:
+    """Differentiable all-to-all of the rows of ``x`` (its first dimension); traced.
+
+    send_splits[d]: rows of ``x`` for group rank d (in order); recv_splits[s]: rows arriving from
+    rank s.  None: equal splits, ``x.shape[0] / W`` each.  Returns the received rows in source order.
+    The backward is the all-to-all with the splits swapped (traced with ``what + ".backward"``).
+    Used by Ulysses (sequence ↔ heads) and by expert parallelism (tokens ↔ experts).
+    """
+    w = world_size(group)
+    if send_splits is None:
+        if x.shape[0] % w:
+            raise ValueError(f"equal-split all-to-all needs rows divisible by {w}, got {x.shape[0]}")
+        send_splits = [x.shape[0] // w] * w
+    if recv_splits is None:
+        recv_splits = list(send_splits)
+    if len(send_splits) != w or len(recv_splits) != w or sum(send_splits) != x.shape[0]:
+        raise ValueError(f"splits must have {w} entries and send_splits must sum to {x.shape[0]}; "
+                         f"got send {list(send_splits)}, recv {list(recv_splits)}")
+    return _AllToAll.apply(x, list(send_splits), list(recv_splits), group, {"what": what, **meta})
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, group=None, step: int | None = None, **meta: Any) -> torch.Tensor:

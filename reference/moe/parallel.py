@@ -71,52 +71,24 @@ __all__ = ["all_to_all", "dispatch", "combine", "dispatch_dropless", "combine_dr
 # A differentiable all-to-all
 
 
-def _all_to_all_rows(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, **meta) -> torch.Tensor:
-    out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
-    if not dist.is_initialized():          # one process, nothing to exchange
-        return out.copy_(x)
-    return comm.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group, **meta)
-
-
-class _AllToAll(torch.autograd.Function):
-    """Forward: rows ``send_splits[d]`` go to rank d.  Backward: the same with the splits swapped."""
-
-    @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group, meta):
-        ctx.splits, ctx.group, ctx.meta = (send_splits, recv_splits), group, meta
-        return _all_to_all_rows(x, send_splits, recv_splits, group, **meta)
-
-    @staticmethod
-    def backward(ctx, grad):
-        send_splits, recv_splits = ctx.splits
-        meta = {**ctx.meta, "what": ctx.meta.get("what", "all_to_all") + ".backward",
-                "tokens_per_dest": list(recv_splits)}
-        return _all_to_all_rows(grad, recv_splits, send_splits, ctx.group, **meta), None, None, None, None
-
-
 def all_to_all(x: torch.Tensor, send_splits: list[int] | None = None, recv_splits: list[int] | None = None, *,
                group=None, what: str = "all_to_all", tokens_per_dest: list[int] | None = None,
                **meta) -> torch.Tensor:
-    """Differentiable all-to-all of the rows of ``x`` (first dimension).
+    """Differentiable all-to-all of the rows of ``x`` (first dimension): :func:`reference.comm.all_to_all_autograd`
+    with the tokens each destination gets recorded in the trace.
 
     send_splits[d]: rows of ``x`` for group rank d (in order); recv_splits[s]: rows that arrive from
     rank s.  None: equal splits, ``x.shape[0] / W`` each.  Returns the received rows, in source
     order.  Backward is the all-to-all with the splits swapped (the adjoint).  ``what``,
     ``tokens_per_dest`` (default: the send splits) and ``meta`` go into the trace event.
     """
-    W = comm.world_size(group)
-    if send_splits is None:
-        if x.shape[0] % W:
-            raise ValueError(f"equal-split all-to-all needs rows divisible by {W}, got {x.shape[0]}")
-        send_splits = [x.shape[0] // W] * W
-    if recv_splits is None:
-        recv_splits = list(send_splits)
-    if len(send_splits) != W or len(recv_splits) != W or sum(send_splits) != x.shape[0]:
-        raise ValueError(f"splits must have {W} entries and send_splits must sum to {x.shape[0]}; "
-                         f"got send {send_splits}, recv {recv_splits}")
-    meta = {"what": what, "tokens_per_dest": list(send_splits) if tokens_per_dest is None else list(tokens_per_dest),
-            **meta}
-    return _AllToAll.apply(x, list(send_splits), list(recv_splits), group, meta)
+    if tokens_per_dest is None:
+        W = comm.world_size(group)
+        tokens_per_dest = list(send_splits) if send_splits is not None else (
+            [x.shape[0] // W] * W if x.shape[0] % W == 0 else None)
+    if tokens_per_dest is not None:
+        meta["tokens_per_dest"] = list(tokens_per_dest)
+    return comm.all_to_all_autograd(x, send_splits, recv_splits, group=group, what=what, **meta)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,8 +168,9 @@ def dispatch_dropless(x: torch.Tensor, routing: dict, num_experts: int, group=No
     W, E_local = _experts_per_rank(num_experts, group)
     t, _, counts = _dropless_order(routing, num_experts)
     send_splits = counts.view(W, E_local).sum(1).tolist()
-    recv_counts = _all_to_all_rows(counts, [E_local] * W, [E_local] * W, group, what="counts",
-                                   tokens_per_dest=send_splits).view(W, E_local)
+    with torch.no_grad():                      # counts are integers: nothing to differentiate
+        recv_counts = all_to_all(counts, [E_local] * W, [E_local] * W, group=group, what="counts",
+                                 tokens_per_dest=send_splits).view(W, E_local)
     recv_splits = recv_counts.sum(1).tolist()
     x_recv = all_to_all(x[t], send_splits, recv_splits, group=group, what="dispatch")
     return x_recv, recv_counts

@@ -174,42 +174,6 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _ring_forward(q, k, v, causal, layout, group, kernel):
-    """The ring forward on plain tensors: (out in q's dtype, lse)."""
-    forward, _ = block_kernels(kernel)
-    W, r = comm.world_size(group), comm.rank(group)
-    nxt, prv = comm.ring_peers(group)
-    n = q.shape[-2]
-    out = lse = None
-    k_cur, v_cur = k.contiguous(), v.contiguous()     # what we compute on and send on
-    spare = None                                      # the buffers the next block arrives in
-    for s in range(W):
-        j = (r - s) % W                               # whose K/V we hold now
-        hop = None
-        if s < W - 1:                                 # post the next hop before computing
-            if spare is None:
-                spare = (torch.empty_like(k_cur), torch.empty_like(v_cur))
-            hop = comm.exchange([(k_cur, nxt), (v_cur, nxt)], [(spare[0], prv), (spare[1], prv)],
-                                group=group, step=s, what="kv", phase="fwd", chunks=chunk_ids(j, W, layout),
-                                recv_meta={"chunks": chunk_ids((j - 1) % W, W, layout)})
-        for p in block_plan(r, j, W, layout, causal, n):
-            with trace.span("compute", step=s, what="attn_fwd", layout=layout, q_chunks=p.q_chunks,
-                            k_chunks=p.k_chunks, tiles=p.tiles, pairs=p.pairs):
-                o, l = forward(q[..., p.q, :], k_cur[..., p.k, :], v_cur[..., p.k, :], causal=p.causal)
-                if out is None:                       # step 0 covers every row
-                    out, lse = o.to(_acc_dtype(q.dtype)), l
-                elif p.q == slice(0, n):
-                    out, lse = merge_attention(out, lse, o, l)
-                else:
-                    out[..., p.q, :], lse[..., p.q] = merge_attention(out[..., p.q, :], lse[..., p.q], o, l)
-        if hop is not None:
-            hop.wait()
-            received = spare
-            spare = None if s == 0 else (k_cur, v_cur)  # never receive into the caller's k, v
-            k_cur, v_cur = received
-    return out.to(q.dtype), lse
-
-
 def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                            layout: str = "contiguous", group=None, kernel: str = "fused"
                            ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,9 +185,39 @@ def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     "explicit" block kernel.  Every rank of ``group`` must call it with the same shapes.
     """
     check_attention_inputs(q, k, v, layout, comm.world_size(group))
-    block_kernels(kernel)
+    forward, _ = block_kernels(kernel)
+    W, r = comm.world_size(group), comm.rank(group)
+    nxt, prv = comm.ring_peers(group)
+    n = q.shape[-2]
+    q, out, lse = q.detach(), None, None
+    k_cur, v_cur = k.detach().contiguous(), v.detach().contiguous()   # what we compute on and send on
+    spare = None                                      # the buffers the next block arrives in
     with torch.no_grad():
-        return _ring_forward(q.detach(), k.detach(), v.detach(), causal, layout, group, kernel)
+        for s in range(W):
+            j = (r - s) % W                           # whose K/V we hold now
+            hop = None
+            if s < W - 1:                             # post the next hop before computing
+                if spare is None:
+                    spare = (torch.empty_like(k_cur), torch.empty_like(v_cur))
+                hop = comm.exchange([(k_cur, nxt), (v_cur, nxt)], [(spare[0], prv), (spare[1], prv)],
+                                    group=group, step=s, what="kv", phase="fwd", chunks=chunk_ids(j, W, layout),
+                                    recv_meta={"chunks": chunk_ids((j - 1) % W, W, layout)})
+            for p in block_plan(r, j, W, layout, causal, n):
+                with trace.span("compute", step=s, what="attn_fwd", layout=layout, q_chunks=p.q_chunks,
+                                k_chunks=p.k_chunks, tiles=p.tiles, pairs=p.pairs):
+                    o, l = forward(q[..., p.q, :], k_cur[..., p.k, :], v_cur[..., p.k, :], causal=p.causal)
+                    if out is None:                   # step 0 covers every row
+                        out, lse = o.to(_acc_dtype(q.dtype)), l
+                    elif p.q == slice(0, n):
+                        out, lse = merge_attention(out, lse, o, l)
+                    else:
+                        out[..., p.q, :], lse[..., p.q] = merge_attention(out[..., p.q, :], lse[..., p.q], o, l)
+            if hop is not None:
+                hop.wait()
+                received = spare
+                spare = None if s == 0 else (k_cur, v_cur)   # never receive into the caller's k, v
+                k_cur, v_cur = received
+    return out.to(q.dtype), lse
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,7 +287,7 @@ def _ring_backward(dout, q, k, v, out, lse, causal, layout, group, kernel):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, layout, group, kernel):
-        out, lse = _ring_forward(q, k, v, causal, layout, group, kernel)
+        out, lse = ring_attention_forward(q, k, v, causal=causal, layout=layout, group=group, kernel=kernel)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (causal, layout, group, kernel)
         ctx.mark_non_differentiable(lse)

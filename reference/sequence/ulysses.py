@@ -45,59 +45,18 @@ def _check_heads(x: torch.Tensor, W: int, what: str) -> None:
                          f"(Ulysses needs the number of heads to be a multiple of the group size)")
 
 
-def _all_to_all(x: torch.Tensor, group, what: str) -> torch.Tensor:
-    """x: (W, ...) contiguous; slice w goes to group rank w; returns slices from every rank."""
-    out = torch.empty_like(x)
-    comm.all_to_all_single(out, x, group=group, what=what)
-    return out
-
-
-def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
-    W = comm.world_size(group)
-    B, H, n, D = x.shape
-    send = x.reshape(B, W, H // W, n, D).transpose(0, 1).contiguous()    # (W, B, H/W, n, D): by head group
-    recv = _all_to_all(send, group, "seq_to_heads")                        # (W, B, H/W, n, D): by seq chunk
-    return recv.permute(1, 2, 0, 3, 4).reshape(B, H // W, W * n, D)
-
-
-def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
-    W = comm.world_size(group)
-    B, h, S, D = x.shape
-    send = x.reshape(B, h, W, S // W, D).permute(2, 0, 1, 3, 4).contiguous()  # (W, B, h, n, D): by seq chunk
-    recv = _all_to_all(send, group, "heads_to_seq")                            # (W, B, h, n, D): by head group
-    return recv.transpose(0, 1).reshape(B, W * h, S // W, D)
-
-
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _heads_to_seq(g, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_to_heads(g, ctx.group), None
-
-
 def seq_to_heads(x: torch.Tensor, group=None) -> torch.Tensor:
     """(B, H, S/W, D) sequence-sharded → (B, H/W, S, D) head-sharded, by one all-to-all.
 
     Rank r gets heads [r·H/W, (r+1)·H/W) of all S tokens (token chunks in rank order).
     Differentiable (its backward is :func:`heads_to_seq`).  H not divisible by W → ValueError.
     """
-    _check_heads(x, comm.world_size(group), "seq_to_heads input")
-    return _SeqToHeads.apply(x, group)
+    W = comm.world_size(group)
+    _check_heads(x, W, "seq_to_heads input")
+    B, H, n, D = x.shape
+    send = x.reshape(B, W, H // W, n, D).transpose(0, 1).contiguous()    # (W, B, H/W, n, D): by head group
+    recv = comm.all_to_all_autograd(send, group=group, what="seq_to_heads")  # (W, B, H/W, n, D): by seq chunk
+    return recv.permute(1, 2, 0, 3, 4).reshape(B, H // W, W * n, D)
 
 
 def heads_to_seq(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -105,9 +64,12 @@ def heads_to_seq(x: torch.Tensor, group=None) -> torch.Tensor:
     W = comm.world_size(group)
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError("heads_to_seq input must be a (batch, heads, seq, head_dim) tensor")
-    if x.shape[2] % W:
-        raise ValueError(f"heads_to_seq: sequence length {x.shape[2]} is not a multiple of {W} ranks")
-    return _HeadsToSeq.apply(x, group)
+    B, h, S, D = x.shape
+    if S % W:
+        raise ValueError(f"heads_to_seq: sequence length {S} is not a multiple of {W} ranks")
+    send = x.reshape(B, h, W, S // W, D).permute(2, 0, 1, 3, 4).contiguous()  # (W, B, h, n, D): by seq chunk
+    recv = comm.all_to_all_autograd(send, group=group, what="heads_to_seq")    # (W, B, h, n, D): by head group
+    return recv.transpose(0, 1).reshape(B, W * h, S // W, D)
 
 
 def kv_heads_for(heads_kv: int, world_size: int) -> int:
