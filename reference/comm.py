@@ -15,6 +15,7 @@ communication should hide behind.
 """
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -72,11 +73,15 @@ def new_group(ranks: Sequence[int], timeout: float | None = None) -> dist.Proces
     return dist.new_group(list(ranks), timeout=timedelta(seconds=timeout))
 
 
+PG_TIMEOUT_ENV = "SPLITTING_PG_TIMEOUT"   # set by reference.launch in every rank: the world's own timeout
+
+
 def _default_timeout() -> float:
+    """Seconds for a new subgroup: the world's timeout under ``reference.launch``, else 300 s
+    (torch offers no way to read the default group's timeout back, and its own default is 30 min)."""
     try:
-        pg = dist.distributed_c10d._get_default_group()
-        return float(pg.options._timeout.total_seconds()) if hasattr(pg, "options") else 300.0
-    except Exception:
+        return float(os.environ[PG_TIMEOUT_ENV])
+    except (KeyError, ValueError):
         return 300.0
 
 

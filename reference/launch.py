@@ -637,7 +637,7 @@ def _rank_main(rank: int, fd: int, cfg: dict) -> None:
         world_size = cfg["world_size"]
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(cfg["port"]))
+                          MASTER_PORT=str(cfg["port"]), SPLITTING_PG_TIMEOUT=str(cfg["pg_timeout"]))
         if cfg["backend"] == "nccl":
             torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
         store = dist.TCPStore("127.0.0.1", cfg["port"], None, False, timedelta(seconds=START_TIMEOUT))

@@ -186,3 +186,8 @@ def test_raw_batch_isend_irecv_is_traced_and_a_second_wait_does_not_hang(world):
     assert res.values == [2.0, 0.0, 1.0]
     sends = res.trace.filter(op="send")
     assert sorted((e.rank, e.peer, e.nbytes) for e in sends) == [(0, 1, 32), (1, 2, 32), (2, 0, 32)]
+
+
+def test_subgroups_get_the_worlds_timeout_not_torchs_30_minutes(world):
+    values = world(2).run(W.subgroup_timeout).values
+    assert values == [120.0, 120.0]   # session worlds: timeout=60 s, process groups max(2·60, 120) s

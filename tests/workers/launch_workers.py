@@ -107,3 +107,9 @@ def unpicklable_result():
 
 def gloo_device():
     return str(torch.empty(1).device), dist.get_backend()
+
+
+def subgroup_timeout():
+    """The timeout comm.new_group gives a subgroup inside a launched world."""
+    comm.new_group(list(range(dist.get_world_size())))
+    return comm._default_timeout()
