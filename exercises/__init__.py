@@ -16,6 +16,10 @@ def check(*ids: str, solutions: str = "exercises", timeout: float = 60.0):
     from .grading import core, report
 
     results = core.grade(solutions, list(ids) or None, timeout=timeout)
+    if solutions == "exercises":   # demos replay the learner's own run once its exercise passes
+        from reference import recorded
+        recorded.note_passed([r.exercise.id for r in results if r.score == r.max_score],
+                             [r.exercise.id for r in results if r.score < r.max_score])
     return _Summary(results, report)
 
 
