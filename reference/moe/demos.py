@@ -56,15 +56,18 @@ def aux_loss_and_grad(probs: torch.Tensor, expert_index: torch.Tensor, num_exper
     return {"loss": loss.detach(), "grad": p.grad}
 
 
-def ep_dp_local_grads(world_size: int, ep: int, seed: int, *, num_experts: int = 8, tokens: int = 6) -> dict:
+def ep_dp_local_grads(world_size: int, ep: int, seed: int, *, num_experts: int = 8, tokens: int = 6,
+                      c_aux: float = 0.5, c_z: float = 0.05) -> dict:
     """What each rank holds before and after gradient sync in EP × DP training, simulated in one process.
 
     Rank r is rank r % ep of expert-parallel group r // ep and holds experts of block q = r % ep.
-    Its loss is L_r = <g_r, y_r> with y_r = layer(x_r) (what the expert-parallel layer computes).
-    Before sync: router gradient ∂L_r/∂W_r; expert gradients Σ_{s in r's EP group} ∂L_s/∂θ_q (the
+    It back-propagates ℓ_r = <g_r, y_r> + c_aux·aux + c_z·z_r with y_r = layer(x_r), as the
+    expert-parallel layer does: aux is the whole batch's balance loss, its gradient through this
+    rank's tokens only, scaled by N (:func:`reference.moe.parallel.mean_share`).
+    Before sync: router gradient ∂ℓ_r/∂W_r; expert gradients Σ_{s in r's EP group} ∂ℓ_s/∂θ_q (the
     all-to-all brought the group's tokens to the expert).  After sync (the truth): the gradients of
-    the mean loss (1/N) Σ_s L_s.  Returns {"dense", "experts", "want_dense", "want_experts"}, lists
-    per rank (lists of tensors).
+    the mean (1/N) Σ_s <g_s, y_s> + c_aux·aux + c_z·(1/N) Σ_s z_s.  Returns {"dense", "experts",
+    "want_dense", "want_experts"}, lists per rank (lists of tensors).
     """
     torch.manual_seed(seed)
     d, E, W = 4, num_experts, world_size
@@ -73,10 +76,15 @@ def ep_dp_local_grads(world_size: int, ep: int, seed: int, *, num_experts: int =
     gs = [torch.randn(tokens, d, dtype=torch.float64) for _ in range(W)]
     params = [layer.router.weight] + [p for ex in layer.experts for p in ex.parameters()]
     per_expert = len(list(layer.experts[0].parameters()))
+    outs = [layer(x) for x in xs]
+    probs = [st["routing"]["probs"] for _, st in outs]
+    idx = torch.cat([st["routing"]["expert_index"] for _, st in outs])
 
     def grads_of(s: int) -> list[torch.Tensor]:
-        y, _ = layer(xs[s])
-        gr = torch.autograd.grad((gs[s] * y).sum(), params, allow_unused=True)
+        y, st = outs[s]
+        aux = load_balancing_loss(torch.cat([p if m == s else p.detach() for m, p in enumerate(probs)]), idx, E)
+        loss = (gs[s] * y).sum() + c_aux * W * aux + c_z * st["z_loss"]
+        gr = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
         return [torch.zeros_like(p) if g is None else g for g, p in zip(gr, params)]
 
     each = [grads_of(s) for s in range(W)]

@@ -614,13 +614,25 @@ def mixed_experts(m: Mismatch) -> str | None:
     return None
 
 
+def dense_not_averaged(m: Mismatch) -> str | None:
+    N = m.world_size
+    if not isinstance(m.got, torch.Tensor) or m.got.shape != m.expected.shape or not N or N == 1:
+        return None
+    g, e = m.got.double().flatten(), m.expected.double().flatten()
+    if torch.allclose(g, N * e, rtol=1e-9, atol=1e-12):
+        return (f"your {m.what} is exactly N = {N}× the true one: you summed it over dp_group but did not "
+                "divide by N. The objective is the MEAN of the ranks' losses. (The balance loss keeps its full "
+                "strength anyway: the expert-parallel layer already scales its gradient by the group size.)")
+    return None
+
+
 def _grad_sync_case(ctx, W: int, ep: int, seed: int, case: str):
     data = ctx.oracle(f"{DEMOS}:ep_dp_local_grads", W, ep, seed)
     res = ctx.ranks(W, f"{H}:grad_sync_per_rank", data["dense"], data["experts"], ep)
     for r, v in enumerate(res.values):
         for i, (g, want) in enumerate(zip(v["dense"], data["want_dense"])):
             ctx.compare(g, want, f"dense (router) gradient {i}", rank=r, world_size=W, atol=1e-12, rtol=1e-10,
-                        case=case)
+                        case=case, detectors=[dense_not_averaged])
         for i, (g, want) in enumerate(zip(v["experts"], data["want_experts"][r])):
             ctx.compare(g, want, f"expert gradient {i}", rank=r, world_size=W, atol=1e-12, rtol=1e-10, case=case,
                         detectors=[off_by_ep_size, mixed_experts],
