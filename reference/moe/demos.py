@@ -147,27 +147,34 @@ def record_routing_traces(worlds: dict, ks=(1, 2), capacity_factors=(0.5, 1.0, 2
     return traces
 
 
-def train_toy_moe(aux_coef: float, *, steps: int = 300, num_experts: int = 4, d_model: int = 8,
-                  tokens: int = 64, router_bias: float = 2.0, lr: float = 1e-2, seed: int = 0) -> dict:
-    """Train a one-layer top-1 MoE (dropless) to fit y = sin(x·A), with ``aux_coef`` × the load-balancing loss.
+def train_toy_moe(aux_coef: float, *, steps: int = 300, num_experts: int = 4, d_model: int = 16,
+                  tokens: int = 128, mean_norm: float = 1.0, lr: float = 1e-2, seed: int = 0) -> dict:
+    """Train a one-layer top-1 MoE (dropless) to fit a linear map, with ``aux_coef`` × the balance loss.
 
-    The router starts skewed (``router_bias`` added to expert 0's weight on a constant input
-    feature), the situation in which a router without the auxiliary loss stays collapsed: the
-    favoured expert gets most tokens, learns fastest, and keeps them.  Returns per step the
-    fraction of tokens each expert received (``load``, steps × E), the task loss and the aux loss.
+    The data have learnable structure: y = x·A with x = μ + N(0, I), a shared mean direction μ
+    (|μ| = ``mean_norm``) as hidden states of a real model have.  The router starts balanced:
+    small random weights made orthogonal to μ, so at step 0 each expert gets about 1/E of the
+    tokens.  Without the balance loss the router learns a component along μ for whichever
+    expert improved first — raising that expert's logit for EVERY token — and the rich get
+    richer.  Returns per step the fraction of tokens each expert received (``load``, steps × E),
+    the task loss and the aux loss.
     """
     torch.manual_seed(seed)
-    layer = MoELayer(d_model, 2 * d_model, num_experts, k=1, dropless=True)
-    with torch.no_grad():
-        layer.router.weight[0, 0] += router_bias
-    A = torch.randn(d_model, d_model)
+    d, E = d_model, num_experts
+    layer = MoELayer(d, 2 * d, E, k=1, dropless=True)
+    A = torch.randn(d, d) / d ** 0.5
+    mu = torch.randn(d)
+    mu = mean_norm * mu / mu.norm()
+    with torch.no_grad():   # balanced start: E orthogonal rows of equal norm, all orthogonal to μ
+        G = torch.randn(d, E)
+        G -= torch.outer(mu, mu @ G) / mu.dot(mu)
+        layer.router.weight.copy_(1e-2 * torch.linalg.qr(G).Q.T)
     opt = torch.optim.Adam(layer.parameters(), lr=lr)
     load, task, aux = [], [], []
     for _ in range(steps):
-        x = torch.randn(tokens, d_model)
-        x[:, 0] = 1.0                                  # a constant feature: the router's bias
+        x = mu + torch.randn(tokens, d)
         y, stats = layer(x)
-        mse = (y - torch.sin(x @ A)).pow(2).mean()
+        mse = (y - x @ A).pow(2).mean()
         opt.zero_grad()
         (mse + aux_coef * stats["aux_loss"]).backward()
         opt.step()
