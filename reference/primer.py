@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives, comm
-from .recorded import recordable
+from .recorded import live_world, recordable
 
 
 def hello() -> str:
@@ -87,20 +87,10 @@ def gather_to_one_all_reduce(numel: int) -> torch.Tensor:
 # The notebook's demos: recorded from the reference for the student release (reference.recorded)
 
 
-def _world(n: int, worlds: dict | None):
-    """A live world of ``n`` ranks from ``worlds`` {n: World}, or a new one for this call."""
-    from contextlib import nullcontext
-
-    from .launch import World
-    if worlds and n in worlds:
-        return nullcontext(worlds[n])
-    return World(n, timeout=60, echo=False)
-
-
 @recordable("00.ring_all_reduce", needs=("0.1",), ignore=("worlds",))
 def ring_all_reduce_run(n: int = 4, numel: int = 16, worlds: dict | None = None) -> dict:
     """One ring all-reduce on ``n`` ranks: its trace (for the widget) and rank 0's result."""
-    with _world(n, worlds) as w:
+    with live_world(n, worlds) as w:
         res = w.run(ring_all_reduce, numel)
     return {"trace": res.trace, "result": res.values[0], "n": n, "numel": numel}
 
@@ -111,7 +101,7 @@ def bytes_per_collective(numel: int = 12 * 1024, sizes: tuple = (2, 3, 4), world
     gather-to-one all-reduce and the ring all-gather of ``numel`` float32 on each world size."""
     rows = []
     for n in sizes:
-        with _world(n, worlds) as w:
+        with live_world(n, worlds) as w:
             ring = w.run(ring_all_reduce, numel).trace
             naive = w.run(gather_to_one_all_reduce, numel).trace
             gather = w.run(ring_all_gather, numel).trace

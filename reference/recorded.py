@@ -147,6 +147,17 @@ def recordable(key: str, *, needs: Sequence[str] = (), variants: Sequence[dict] 
     return deco
 
 
+def live_world(n: int, worlds: dict | None = None):
+    """A context manager giving a world of ``n`` ranks: ``worlds[n]`` if the notebook keeps one
+    alive ({n: World}), else a new one, closed on exit (what a recording run uses)."""
+    from contextlib import nullcontext
+
+    from .launch import World
+    if worlds and n in worlds:
+        return nullcontext(worlds[n])
+    return World(n, timeout=60, echo=False)
+
+
 def import_all(package: str = "reference") -> dict[str, Recordable]:
     """Import every module of ``package`` so that every recordable is registered."""
     pkg = importlib.import_module(package)
