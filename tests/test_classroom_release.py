@@ -65,6 +65,8 @@ def test_no_distinctive_solution_line_survives_anywhere_in_the_release(built):
     release_text = "\n".join(p.read_text(errors="replace") for p in built.rglob("*") if p.suffix in (".py", ".ipynb"))
     # what learners are shown anyway (stub hints, notebooks) is not a leak
     public = "\n".join(p.read_text() for p in list((ROOT / "exercises").glob("*.py")) + list((ROOT / "notebooks").glob("*.ipynb")))
+    import exercises   # the tiered hints are shown to learners on purpose (hint("N.M"))
+    public += "\n".join(t for tiers in exercises.hints().values() for t in tiers)
     bodies = {}
     for ex, name, fn in GRADED:
         src_file = Path(inspect.getsourcefile(fn)).read_text()
