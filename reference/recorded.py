@@ -183,6 +183,8 @@ def record_all(dest: Path, keys: Sequence[str] | None = None, progress: Callable
     dest.mkdir(parents=True, exist_ok=True)
     n = 0
     _POOL = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # demos are small, as the notebooks run them; a 2-core machine spins otherwise
     try:
         for key, rec in sorted(import_all().items()):
             if keys is not None and key not in keys:
@@ -195,6 +197,7 @@ def record_all(dest: Path, keys: Sequence[str] | None = None, progress: Callable
                 n += 1
             torch.save(results, dest / f"{key}.pt")
     finally:
+        torch.set_num_threads(threads)
         pool, _POOL = _POOL, None
         for world in pool.values():
             world.close()
