@@ -228,6 +228,10 @@ def _(ctx):
             for r, v in enumerate(res.values):
                 w, b = _shard_want(weight, bias, style, r, W)
                 ow, _ = _shard_want(weight, bias, other_style, r, W)
+                if isinstance(v["weight"], torch.Tensor) and v["weight"].shape == ow.shape and torch.equal(v["weight"], ow):
+                    raise CheckFailed(f"{style}-parallel weight shard on rank {r} (world size {W}): "
+                                      + wrong_style(Mismatch("weight", v["weight"], w, extra={"other": ow,
+                                                             "other_style": other_style})))
                 ctx.compare(v["weight"], w, f"{style}-parallel weight shard", rank=r, world_size=W, atol=0, rtol=0,
                             detectors=[wrong_style], extra={"other": ow, "other_style": other_style, "style": style})
                 ctx.compare(v["bias"], b, "bias", rank=r, world_size=W, atol=0, rtol=0, detectors=[wrong_style],
@@ -347,6 +351,8 @@ def xent_mistakes(m: Mismatch) -> str | None:
 def _xent(ctx, W: int, seed: int, scale: float, dtype=torch.float64, tol: float = 1e-10):
     V, T = 4 * W, 9
     logits, dloss = _rand(seed, T, V, scale=scale, dtype=dtype), _rand(seed + 1, T, dtype=dtype)
+    if scale > 1:      # one confident token: its logits shifted by +100 (the softmax does not change)
+        logits[1] += 100
     target = _targets(V, T, W, seed + 2)
     res = ctx.ranks(W, f"{H}:xent_per_rank", logits, target, dloss)
     z = logits.double().clone().requires_grad_(True)
@@ -370,7 +376,7 @@ def _(ctx):
     _xent(ctx, 2, _seed(ctx, 31), 1.0)
 
 
-@XENT.check("3 ranks, float32 logits ×30: finite and exact (needs the max)", points=2)
+@XENT.check("3 ranks, float32 logits ×30, one token shifted by +100: finite and exact (needs the max)", points=2)
 def _(ctx):
     _xent(ctx, 3, _seed(ctx, 32), 30.0, dtype=torch.float32, tol=2e-4)
 
