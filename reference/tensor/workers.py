@@ -146,3 +146,47 @@ def only_rank0_backward(**cfg) -> None:
     y = pm(x.clone().requires_grad_())
     if comm.rank() == 0:
         y.backward(dout)
+
+
+class _QKVAttention(torch.nn.Module):
+    """Separate q, k, v projections (what DTensor's ColwiseParallel shards by heads) + output projection."""
+
+    def __init__(self, d_model: int, heads: int, local_heads: int):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(d_model, d_model) for _ in range(3))
+        self.proj = torch.nn.Linear(d_model, d_model)
+        self.local_heads = local_heads
+
+    def forward(self, x):
+        from .blocks import attend
+        return self.proj(attend(self.q(x), self.k(x), self.v(x), self.local_heads))
+
+
+def bench(kind: str, peer: str, S: int, d_model: int, heads: int, iters: int = 3) -> float:
+    """Best seconds of one float32 forward + backward of ``kind`` ("mlp" or "attn"), parallel over the
+    world: ``peer`` "reference" (reference.tensor) or "dtensor" (parallelize_module)."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    W = comm.world_size()
+    x = torch.randn(S, 1, d_model)
+    if peer == "reference":
+        full = MLP(d_model, 4 * d_model) if kind == "mlp" else SelfAttention(d_model, heads)
+        m = ParallelMLP.from_module(full) if kind == "mlp" else ParallelSelfAttention.from_module(full)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", (W,))
+        if kind == "mlp":
+            m = parallelize_module(MLP(d_model, 4 * d_model), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        else:
+            m = parallelize_module(_QKVAttention(d_model, heads, heads // W), mesh,
+                                   {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+                                    "proj": RowwiseParallel()})
+    best = float("inf")
+    for _ in range(iters + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        xi = x.clone().requires_grad_()
+        m(xi).square().mean().backward()
+        best = min(best, time.perf_counter() - t0)
+    return best
