@@ -6,11 +6,13 @@ recording until the exercises it needs pass); the ``*_worker`` functions run on 
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
 from .. import comm
-from ..launch import run_world
+from ..launch import World
 from ..recorded import recordable
 from .blocks import MLP, Block, ParallelBlock, ParallelMLP, sync_sequence_parallel_grads
 from .costs import collectives
@@ -29,8 +31,14 @@ def tp_group(tp: int):
     return groups[r // tp]
 
 
-def _run(world, fn, *args, **kwargs):
-    return world.run(fn, *args, **kwargs) if world is not None else run_world(fn, WORLD, *args, **kwargs)
+@contextmanager
+def _world(world):
+    """The caller's kept-alive world, or one of WORLD ranks for the duration of the demo."""
+    if world is not None:
+        yield world
+        return
+    with World(WORLD, echo=False) as w:
+        yield w
 
 
 def _rows(x, tp, group):
@@ -68,7 +76,8 @@ def mlp_run(tp: int = 2, sequence_parallel: bool = False, S: int = 4, d_model: i
             world=None) -> dict:
     """A parallel MLP on tp ranks, forward + backward: shapes, rank 0's collectives (in order) and
     the largest input-gradient error against one process."""
-    res = _run(world, mlp_worker, tp, sequence_parallel, S, d_model, d_ff)
+    with _world(world) as w:
+        res = w.run(mlp_worker, tp, sequence_parallel, S, d_model, d_ff)
     return {"tp": tp, "sequence_parallel": sequence_parallel, "S": S, "d_model": d_model, "d_ff": d_ff,
             "collectives": collectives(res.trace, rank=0, W=tp),
             "max_error": max(v["max_error"] for v in res.values)}
@@ -114,12 +123,13 @@ def block_costs(S: int = 16, B: int = 2, d_model: int = 32, heads: int = 4, worl
     """For tp in 1, 2, 4, with and without sequence parallelism: rank 0's collectives for one
     block's forward + backward, its parameter bytes and the activation bytes autograd saved."""
     out = {"S": S, "B": B, "d_model": d_model, "heads": heads, "runs": {}}
-    for tp in (1, 2, 4):
-        for sp in (False, True):
-            res = _run(world, block_worker, tp, sp, S, B, d_model, heads)
-            out["runs"][(tp, sp)] = {"collectives": [c for c in collectives(res.trace, rank=0, W=tp)
-                                                     if c["operator"] != "sp-grad-sync"],
-                                     **res.values[0]}
+    with _world(world) as w:
+        for tp in (1, 2, 4):
+            for sp in (False, True):
+                res = w.run(block_worker, tp, sp, S, B, d_model, heads)
+                out["runs"][(tp, sp)] = {"collectives": [c for c in collectives(res.trace, rank=0, W=tp)
+                                                         if c["operator"] != "sp-grad-sync"],
+                                         **res.values[0]}
     return out
 
 
@@ -143,7 +153,8 @@ def vocab_worker(tp: int, tokens: int, V: int, scale: float) -> dict:
 def vocab_loss(tp: int = 4, tokens: int = 6, V: int = 32000, scale: float = 30.0, world=None) -> dict:
     """The loss of ``tokens`` tokens over a vocabulary of V split over tp ranks, logits ×scale:
     rank 0's collectives and the per-token losses beside F.cross_entropy's."""
-    res = _run(world, vocab_worker, tp, tokens, V, scale)
+    with _world(world) as w:
+        res = w.run(vocab_worker, tp, tokens, V, scale)
     return {"tp": tp, "tokens": tokens, "V": V, "loss": res.values[0]["loss"], "want": res.values[0]["want"],
             "collectives": [{"what": e.meta.get("what"), "nbytes": e.nbytes}
                             for e in res.trace.filter(op="all_reduce", rank=0)]}
