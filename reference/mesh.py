@@ -188,7 +188,10 @@ class RankGrid:
 
     def crosses_nodes(self, axis: str, devices_per_node: int) -> bool:
         """True if some group of ``axis`` spans more than one node (ranks ``n·D .. n·D+D-1`` share node n)."""
-        return any(len({r // devices_per_node for r in g}) > 1 for g in self.all_groups(axis))
+        grid, dims = self._layout(axis)
+        node = np.moveaxis(grid // devices_per_node, dims, tuple(range(grid.ndim - len(dims), grid.ndim)))
+        node = node.reshape(-1, int(np.prod([grid.shape[d] for d in dims])))
+        return bool((node.max(axis=1) != node.min(axis=1)).any())
 
     # ------------------------------------------------------------------ process groups
 
