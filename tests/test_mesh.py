@@ -12,7 +12,7 @@ import pytest
 
 from reference.launch import run_world
 from reference.mesh import AXES, RankGrid, groups_as_sets
-from tests.workers import mesh_workers
+from reference import compose_demos
 
 
 def S(*groups):
@@ -201,7 +201,7 @@ def test_plot_colours_cells_by_group():
 def test_group_all_reduces_over_exactly_its_ranks():
     grids = [dict(tp=2, pp=2), dict(cp=2, dp=2, ep=2), dict(tp=2, dp=2, ep=2)]
     axes = ["tp", "cp", "dp", "pp", "ep", "edp", "dp_cp"]
-    res = run_world(mesh_workers.group_sums, 4, grids, axes, timeout=60)
+    res = run_world(compose_demos.group_sums, 4, grids, axes, timeout=60)
     for r, per_grid in enumerate(res.values):
         for sizes, got in zip(grids, per_grid):
             grid = RankGrid(4, **sizes)
