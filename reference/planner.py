@@ -254,6 +254,11 @@ class Plan:
 
 def check_composition(model: Model, cluster: Cluster, comp: Composition) -> None:
     """ValueError naming the sizes when the composition cannot be built for this model and cluster."""
+    if model.hidden % model.heads or model.heads % model.kv_heads:
+        raise ValueError(f"hidden={model.hidden} must divide into heads={model.heads}, and heads into "
+                         f"kv_heads={model.kv_heads} groups")
+    if comp.recompute not in ("none", "selective", "full") or comp.zero not in (0, 1, 2, 3):
+        raise ValueError(f"recompute={comp.recompute!r} (none, selective, full), zero={comp.zero} (0–3)")
     n = comp.dp * comp.tp * comp.pp * comp.cp
     if n != cluster.devices:
         raise ValueError(f"dp·tp·pp·cp = {comp.dp}·{comp.tp}·{comp.pp}·{comp.cp} = {n} "

@@ -109,6 +109,20 @@ def test_pipeline_bubble():
     assert P.bubble_fraction(1, 8) == 0
 
 
+def test_recomputation_and_interleaving_in_a_plan():
+    none = P.plan(TINY_BIG, ONE_NODE, P.Composition(tp=8))
+    full = P.plan(TINY_BIG, ONE_NODE, P.Composition(tp=8, recompute="full"))
+    # full: 2·s·b·h/t per layer kept, plus one layer rebuilt during its backward; 6 tp all-reduces instead of 4
+    assert full.memory["activations"] == pytest.approx(40 * 2 * 4096 * 5120 / 8)
+    assert full.memory["recompute"] == pytest.approx(none.memory["activations"] / 40)
+    assert full.comm_bytes["tp"] == pytest.approx(1.5 * none.comm_bytes["tp"])
+    assert full.compute_time == pytest.approx(none.compute_time * 8 / 6)
+    tiny = P.Model("t", layers=8, hidden=4, heads=2, kv_heads=2, ffn=16, vocab=10, seq_len=8, global_batch=8)
+    plain = P.plan(tiny, ONE_NODE, P.Composition(pp=4, dp=2))
+    inter = P.plan(tiny, ONE_NODE, P.Composition(pp=4, dp=2, virtual_stages=2))
+    assert plain.bubble == pytest.approx(3 / 7) and inter.bubble == pytest.approx(3 / 11)
+
+
 def test_compute_time_is_6_n_tokens_over_the_cluster():
     pl = P.plan(TINY_BIG, ONE_NODE, P.Composition(dp=8))
     n = sum(P.param_counts(TINY_BIG).values())
@@ -141,6 +155,8 @@ def test_tensor_groups_across_nodes_use_the_slow_links():
     (P.Composition(dp=1, tp=8), "tp=8 must divide heads=2"),
     (P.Composition(dp=1, pp=8), "pp=8 × virtual_stages=1 is more than layers=2"),
     (P.Composition(dp=8, ep=3), "ep=3 must divide"),
+    (P.Composition(dp=8, zero=4), "zero=4 (0–3)"),
+    (P.Composition(dp=8, recompute="some"), "recompute='some'"),
 ])
 def test_bad_compositions_raise_value_error_naming_sizes(comp, words):
     with pytest.raises(ValueError, match=re.escape(words)):
