@@ -50,8 +50,10 @@ Who else does what
 * picotron builds ``torch.arange(world).view(dp, pp, cp, tp)``: tensor innermost too, but data
   *outermost* and pipeline inside it.  Both keep tp on a node; they differ on which of the two
   inter-node axes gets the nearer ranks.
-* torchtitan builds one ``DeviceMesh`` over the world with dims ``(pp, dp, cp, tp)`` — the same
-  rank order as Megatron — and takes each axis as a named sub-mesh.
+* torchtitan builds one ``DeviceMesh`` over the world with dims ``(pp, dp_replicate, dp_shard, cp,
+  tp)`` — Megatron's rank order, data split into replicated × sharded (HSDP) — and takes each axis
+  as a named (or flattened, e.g. ``dp_shard_cp``) sub-mesh; its experts also take their ranks
+  from the data × context dims.
 
 The course follows Megatron's order because the expert grid must share the pipeline groups and be
 carved from the contiguous data × context block of each stage, which pp-outermost makes simple; and
