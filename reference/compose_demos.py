@@ -8,7 +8,7 @@ import torch.distributed as dist
 from . import comm
 from .mesh import RankGrid
 
-__all__ = ["group_sums"]
+__all__ = ["group_sums", "device_mesh_groups"]
 
 
 def group_sums(grids: list[dict], axes: list[str]) -> list[dict]:
@@ -31,3 +31,14 @@ def group_sums(grids: list[dict], axes: list[str]) -> list[dict]:
             res[axis] = dict(bits=int(t.item()), members=members, cached=grid.group(axis) is g)
         out.append(res)
     return out
+
+
+def device_mesh_groups(sizes: dict) -> dict[str, list[int]]:
+    """This rank's groups in PyTorch's ``DeviceMesh`` over dims (pp, dp, cp, tp) — torchtitan's layout.
+
+    The production peer of :class:`RankGrid`'s dense grid: the same sizes must give the same groups.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    names = ("pp", "dp", "cp", "tp")
+    mesh = init_device_mesh("cpu", tuple(sizes.get(n, 1) for n in names), mesh_dim_names=names)
+    return {n: sorted(dist.get_process_group_ranks(mesh.get_group(n))) for n in names}

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from reference.launch import run_world
+from reference.launch import World
 from reference.mesh import AXES, RankGrid, groups_as_sets
 from reference import compose_demos
 
@@ -198,10 +198,16 @@ def test_plot_colours_cells_by_group():
 
 # ------------------------------------------------------------------ a real world
 
-def test_group_all_reduces_over_exactly_its_ranks():
+@pytest.fixture(scope="module")
+def world4():
+    with World(4, timeout=60, echo=False) as w:
+        yield w
+
+
+def test_group_all_reduces_over_exactly_its_ranks(world4):
     grids = [dict(tp=2, pp=2), dict(cp=2, dp=2, ep=2)]      # every axis non-trivial in one of them
     axes = ["tp", "cp", "dp", "pp", "ep", "edp", "dp_cp"]
-    res = run_world(compose_demos.group_sums, 4, grids, axes, timeout=60)
+    res = world4.run(compose_demos.group_sums, grids, axes)
     for r, per_grid in enumerate(res.values):
         for sizes, got in zip(grids, per_grid):
             grid = RankGrid(4, **sizes)
@@ -212,3 +218,13 @@ def test_group_all_reduces_over_exactly_its_ranks():
                 assert got[axis]["cached"]
     # traced: one all-reduce per axis per grid on every rank
     assert sum(1 for e in res.trace if e.op == "all_reduce") == 4 * len(grids) * len(axes)
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=2, pp=2), dict(cp=2, dp=2), dict(tp=2, dp=2)])
+def test_dense_grid_equals_pytorch_device_mesh_pp_dp_cp_tp(world4, sizes):
+    """The production peer: init_device_mesh over (pp, dp, cp, tp), as torchtitan builds it."""
+    res = world4.run(compose_demos.device_mesh_groups, sizes)
+    grid = RankGrid(4, **sizes)
+    for r, groups in enumerate(res.values):
+        for axis, ranks in groups.items():
+            assert ranks == grid.ranks(axis, r), (sizes, axis, r)
