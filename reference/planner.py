@@ -37,6 +37,10 @@ tp, pp and ep traffic is in the critical path; dp traffic overlaps the backward 
 compute) and cp traffic the attention compute (6·L·s·h per token): only what exceeds them is exposed.  A group's link is the intra-node one if the rank grid
 (reference.mesh) keeps every group of that axis inside a node, else the inter-node one.
 
+Bytes are what one device SENDS with the ring algorithms above; ``reference.trace`` records the
+payload a rank hands to each collective (an all-reduce of n bytes is one event of n bytes), so a
+comparison with a measured run converts with the same 2(N−1)/N factors.
+
 Not counted: temporary buffers, communication buckets, allocator fragmentation, the CUDA context,
 input-embedding activations, latency of small messages, imbalance between experts.
 """
