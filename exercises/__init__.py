@@ -23,7 +23,7 @@ def check(*ids: str, solutions: str = "exercises", timeout: float = 60.0):
     return _Summary(results, report)
 
 
-_SEEN: dict[str, int] = {}     # exercise id -> hint tiers shown so far (the stub's error is tier 1)
+_SEEN: dict[str, int] = {}     # exercise id -> hint tiers shown so far (1 if the stub's error shows tier 1)
 
 
 def hints() -> dict[str, list[str]]:
@@ -40,18 +40,46 @@ def hints() -> dict[str, list[str]]:
     return out
 
 
+def stub_messages(exercise_id: str) -> list[str]:
+    """The messages the exercise's stubs raise (read from their source, nothing is run)."""
+    import ast
+    import importlib
+    import inspect
+
+    from .grading import core
+    ex = core.load_checks().get(exercise_id)
+    if ex is None:
+        return []
+    module = importlib.import_module(f"exercises.{ex.module}")
+    out = []
+    for name in ex.functions:
+        tree = ast.parse(inspect.getsource(getattr(module, name)).lstrip())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args \
+                    and isinstance(node.exc.args[0], ast.Constant) and isinstance(node.exc.args[0].value, str):
+                out.append(node.exc.args[0].value)
+    return out
+
+
+def _shown_by_stub(exercise_id: str, tiers: list[str]) -> int:
+    """1 if the stubs' error messages already show tier 1, else 0 (their nudge comes before tier 1)."""
+    return int(any(tiers[0] in m for m in stub_messages(exercise_id)))
+
+
 def hint(exercise_id: str, tier: int | None = None) -> "_Hint":
-    """The next hint for an exercise (``hint("5a.3")``): tier 2 on the first call — tier 1 is the
-    message your stub raises — then tier 3, ...; ``tier=`` shows one tier again."""
+    """The next hint for an exercise (``hint("5a.3")``), one tier further each call.  The message
+    your stub raises is the first nudge; ``tier=`` shows one tier again."""
     tiers = hints().get(exercise_id)
     if not tiers:
         known = ", ".join(sorted(hints()))
         raise ValueError(f"no hints for exercise {exercise_id!r}; exercises with hints: {known}")
+    if exercise_id not in _SEEN:
+        _SEEN[exercise_id] = _shown_by_stub(exercise_id, tiers)
     if tier is None:
-        tier = min(_SEEN.get(exercise_id, 1) + 1, len(tiers))
+        tier = min(_SEEN[exercise_id] + 1, len(tiers))
     if not 1 <= tier <= len(tiers):
         raise ValueError(f"exercise {exercise_id} has hint tiers 1-{len(tiers)}, not {tier}")
-    _SEEN[exercise_id] = max(_SEEN.get(exercise_id, 1), tier)
+    _SEEN[exercise_id] = max(_SEEN[exercise_id], tier)
     return _Hint(exercise_id, tier, len(tiers), tiers[tier - 1], _SEEN[exercise_id] + 1)
 
 
@@ -72,7 +100,8 @@ def _next_hint_line(results) -> str:
     for r in results:
         tiers = all_hints.get(r.exercise.id)
         if r.score < r.max_score and tiers:
-            nxt = min(_SEEN.get(r.exercise.id, 1) + 1, len(tiers))
+            seen = _SEEN[r.exercise.id] if r.exercise.id in _SEEN else _shown_by_stub(r.exercise.id, tiers)
+            nxt = min(seen + 1, len(tiers))
             lines.append(f"Stuck on {r.exercise.id}? hint(\"{r.exercise.id}\") shows hint {nxt} of {len(tiers)}.")
     return "\n".join(lines)
 

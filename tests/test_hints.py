@@ -29,7 +29,7 @@ def test_every_exercise_has_at_least_three_tiers_of_hints():
 
 
 @pytest.mark.parametrize("ex_id,module,name", STUBS, ids=[f"{i}-{n}" for i, _, n in STUBS])
-def test_stub_raises_the_first_tier_only_and_points_to_hint(ex_id, module, name):
+def test_stub_raises_a_nudge_not_the_later_tiers_and_points_to_hint(ex_id, module, name):
     fn = getattr(module, name)
     args = [None] * len([p for p in inspect.signature(fn).parameters.values()
                          if p.default is inspect.Parameter.empty and p.kind != p.KEYWORD_ONLY])
@@ -38,9 +38,20 @@ def test_stub_raises_the_first_tier_only_and_points_to_hint(ex_id, module, name)
     with pytest.raises(NotImplementedError) as err:
         fn(*args, **kwargs)
     msg = str(err.value)
-    assert HINTS[ex_id][0] in msg and f'hint("{ex_id}")' in msg
+    assert f'hint("{ex_id}")' in msg and msg in exercises.stub_messages(ex_id)
     for later in HINTS[ex_id][1:]:
         assert later not in msg
+
+
+@pytest.mark.parametrize("ex_id", ["0.1", "0.2", "5a.1", "5a.2", "5a.3", "5a.4", "5b.1", "5b.2", "5b.3", "5b.4"])
+def test_in_lectures_0_5a_5b_the_stubs_error_is_tier_one(ex_id):
+    assert all(HINTS[ex_id][0] in m for m in exercises.stub_messages(ex_id))
+    assert exercises.hint(ex_id).tier == 2                     # the first hint() is the next tier
+
+
+def test_a_stub_whose_nudge_comes_before_tier_one_gets_tier_one_first(monkeypatch):
+    monkeypatch.setattr(exercises, "stub_messages", lambda ex_id: ["Exercise 5b.2: think. hint(\"5b.2\")"])
+    assert exercises.hint("5b.2").tier == 1
 
 
 def test_hint_walks_the_tiers_after_the_stubs_message_and_stops_at_the_last():
