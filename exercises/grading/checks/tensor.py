@@ -197,11 +197,12 @@ def _(ctx):
 
 
 def _shard_want(weight, bias, style, r, W):
-    dim = 0 if style == "column" else 1
-    n = weight.shape[dim] // W
-    w = weight.narrow(dim, r * n, n)
-    b = bias[r * n:(r + 1) * n] if style == "column" else bias
-    return w, b
+    """The expected shard, written with plain slicing (rows for column-parallel, columns for row)."""
+    if style == "column":
+        n = weight.shape[0] // W
+        return weight[r * n:(r + 1) * n], bias[r * n:(r + 1) * n]
+    n = weight.shape[1] // W
+    return weight[:, r * n:(r + 1) * n], bias
 
 
 def wrong_style(m: Mismatch) -> str | None:
