@@ -229,10 +229,13 @@ def activation_bytes(seq_len: int, *, hidden: int = 4096, heads: int = 32, layer
                    = 34·s·b·h  (everything linear in s)  +  5·a·s²·b  (attention scores, softmax, dropout)
 
     A fused/blockwise attention kernel (FlashAttention) never stores the a·s² terms: 34·s·b·h.
+    The accounting lives in :func:`reference.planner.activation_bytes_per_layer` (lecture 5c's
+    planner); this is its GPT-style case (multi-head attention, FFN 4h, dropout).
     """
-    s, b, h, a = seq_len, batch, hidden, heads
-    per_layer = 34 * s * b * h + (0 if fused else 5 * a * s * s * b)
-    return layers * per_layer
+    from ..planner import Model, activation_bytes_per_layer
+    model = Model("GPT-style", layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden,
+                  vocab=1, seq_len=seq_len, micro_batch=batch)
+    return layers * round(activation_bytes_per_layer(model, flash=fused))
 
 
 @recordable("05a.merge", needs=("5a.1",))
