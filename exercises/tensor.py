@@ -8,7 +8,7 @@ Given (already written for you): the traced collectives in ``reference.comm`` (`
 ``comm.all_gather``, ``comm.reduce_scatter``; plain ``torch.distributed`` works too) and the other
 region operators in ``reference.tensor.regions`` (scatter/gather, the sequence-parallel pair).
 Exercise 4.2 builds on 4.1: once you have written f and g, the reference calls yours.
-Stuck?  ``hint("4.1")`` gives tiered hints.  Check your work with ``check("4.1")`` in the
+Stuck?  ``hint("4.1")`` gives the next hint.  Check your work with ``check("4.1")`` in the
 notebook or ``python -m exercises.grade 4.1`` in a terminal.
 """
 from __future__ import annotations
@@ -36,8 +36,9 @@ def copy_to_tensor_region(x: torch.Tensor, group=None, **meta) -> torch.Tensor:
     the trace event of the backward all-reduce (with ``operator="f"``, ``direction="backward"``).
     """
     raise NotImplementedError(
-        'Exercise 4.1: f is the identity going forward. What must its backward do, given that '
-        'every rank used the same x? hint("4.1") says more.')
+        "Exercise 4.1 (copy_to_tensor_region): f is the identity going forward, g sums the ranks' partial "
+        "results going forward. Every rank used the same x: what must f's backward do? And what is the "
+        'gradient of a sum with respect to each of its terms? More help: hint("4.1").')
 
 
 def reduce_from_tensor_region(x: torch.Tensor, group=None, **meta) -> torch.Tensor:
@@ -48,8 +49,9 @@ def reduce_from_tensor_region(x: torch.Tensor, group=None, **meta) -> torch.Tens
     into the trace event of the forward all-reduce (with ``operator="g"``, ``direction="forward"``).
     """
     raise NotImplementedError(
-        "Exercise 4.1: g sums the ranks' partial results going forward, in a way autograd can "
-        'see. What is the gradient of a sum with respect to each term? hint("4.1") says more.')
+        "Exercise 4.1 (reduce_from_tensor_region): f is the identity going forward, g sums the ranks' "
+        "partial results going forward. Every rank used the same x: what must f's backward do? And what "
+        'is the gradient of a sum with respect to each of its terms? More help: hint("4.1").')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,9 +67,10 @@ def linear_shard(weight: torch.Tensor, bias: torch.Tensor | None, style: str, gr
     ValueError (on every rank, nothing sent) if the cut dimension does not divide by W.
     """
     raise NotImplementedError(
-        'Exercise 4.2: nn.Linear stores weight as (out, in). Which dimension does a '
-        'column-parallel layer cut, which a row-parallel one, and which keeps the whole bias? '
-        'hint("4.2") says more.')
+        'Exercise 4.2 (linear_shard): nn.Linear stores weight as (out, in): one style cuts the output '
+        'features, the other the input features. Ask of each layer: how does its input enter the '
+        'tensor-parallel region, where are the partial products summed, and when is the bias added? More '
+        'help: hint("4.2").')
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None, *,
@@ -81,8 +84,10 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     ``meta`` (e.g. ``layer="mlp.fc1"``) goes into the trace of every collective.
     """
     raise NotImplementedError(
-        'Exercise 4.2: x is replicated and the weight holds your output rows. How must x enter '
-        'the tensor-parallel region so its gradient comes out right? hint("4.2") says more.')
+        'Exercise 4.2 (column_parallel_linear): nn.Linear stores weight as (out, in): one style cuts the '
+        'output features, the other the input features. Ask of each layer: how does its input enter the '
+        'tensor-parallel region, where are the partial products summed, and when is the bias added? More '
+        'help: hint("4.2").')
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None, *,
@@ -96,8 +101,10 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     and the result is this rank's sequence shard (S/W, ..., out).
     """
     raise NotImplementedError(
-        "Exercise 4.2: each rank's product is a partial sum of the output. Where does the sum "
-        'happen, and when is the bias added? hint("4.2") says more.')
+        'Exercise 4.2 (row_parallel_linear): nn.Linear stores weight as (out, in): one style cuts the '
+        'output features, the other the input features. Ask of each layer: how does its input enter the '
+        'tensor-parallel region, where are the partial products summed, and when is the bias added? More '
+        'help: hint("4.2").')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,5 +123,6 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     none of vocabulary size; the backward sends nothing: grad = (softmax - one_hot(target)) · dℓ.
     """
     raise NotImplementedError(
-        'Exercise 4.3: never gather the V logits. Which three numbers per token must the ranks '
-        'agree on? hint("4.3") says more.')
+        'Exercise 4.3 (vocab_parallel_cross_entropy): Never gather the V logits. Which three numbers per '
+        'token must the ranks agree on to compute log Σ_v exp(z_v) - z_target without overflow? More '
+        'help: hint("4.3").')

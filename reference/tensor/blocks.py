@@ -203,7 +203,9 @@ class ParallelBlock(nn.Module):
         self.mlp = ParallelMLP.from_module(block.mlp, group, sequence_parallel=sequence_parallel)
         self.dropout_p, self.seed = block.dropout_p, 0
 
-    from_module = classmethod(lambda cls, block, group=None, **kw: cls(block, group, **kw))
+    @classmethod
+    def from_module(cls, block: Block, group=None, *, sequence_parallel: bool = False) -> "ParallelBlock":
+        return cls(block, group, sequence_parallel=sequence_parallel)
 
     def _drop(self, x, seed):
         if not self.sequence_parallel:

@@ -6,14 +6,13 @@ recording until the exercises it needs pass); the ``*_worker`` functions run on 
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 
 from .. import comm
-from ..launch import World
-from ..recorded import recordable
+from ..recorded import live_world, recordable
 from .blocks import MLP, Block, ParallelBlock, ParallelMLP, sync_sequence_parallel_grads
 from .costs import collectives
 from .vocab import vocab_parallel_cross_entropy
@@ -31,14 +30,9 @@ def tp_group(tp: int):
     return groups[r // tp]
 
 
-@contextmanager
 def _world(world):
-    """The caller's kept-alive world, or one of WORLD ranks for the duration of the demo."""
-    if world is not None:
-        yield world
-        return
-    with World(WORLD, echo=False) as w:
-        yield w
+    """The caller's kept-alive world, or one of WORLD ranks (shared while a release is recorded)."""
+    return nullcontext(world) if world is not None else live_world(WORLD)
 
 
 def _rows(x, tp, group):

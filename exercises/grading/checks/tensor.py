@@ -23,21 +23,24 @@ MLP = exercise("4.2", "Column- and row-parallel linears forming a parallel MLP",
 XENT = exercise("4.3", "Vocabulary-parallel cross-entropy", "tensor", ["vocab_parallel_cross_entropy"])
 
 HINTS = {
-    "4.1": ["f: every rank used the same x, and each rank's branch contributes part of dL/dx. The true "
+    "4.1": ["f is the identity going forward, g sums the ranks' partial results going forward. Every rank used the same x: what must f's backward do? And what is the gradient of a sum with respect to each of its terms?",
+            "f: every rank used the same x, and each rank's branch contributes part of dL/dx. The true "
             "gradient is the sum of the parts; g is the mirror image.",
             "Write each as a torch.autograd.Function (it may live inside the function). An all-reduce done "
             "outside one (on .detach() or under no_grad) is invisible to autograd.",
             "f: forward returns x.view_as(x); backward returns comm.all_reduce(grad.clone(), group=group, **meta). "
             "g: forward returns comm.all_reduce(x.clone(), group=group, **meta); backward returns grad. "
             "Skip the all-reduce when comm.world_size(group) == 1."],
-    "4.2": ["Column-parallel: weight rows r·out/W … (r+1)·out/W and the same bias slice; row-parallel: weight "
+    "4.2": ['nn.Linear stores weight as (out, in): one style cuts the output features, the other the input features. Ask of each layer: how does its input enter the tensor-parallel region, where are the partial products summed, and when is the bias added?',
+            "Column-parallel: weight rows r·out/W … (r+1)·out/W and the same bias slice; row-parallel: weight "
             "columns r·in/W … (r+1)·in/W and the WHOLE bias.",
             "Column: x → copy_to_tensor_region (f) → F.linear(x, w, b). Row: F.linear(x, w) without the bias → "
             "reduce_from_tensor_region (g) → + bias. Column then row needs nothing in between.",
             "With sequence_parallel, gather_from_sequence_region replaces f and reduce_scatter_to_sequence_region "
             "replaces g; with gather_output, gather_from_tensor_region; without input_is_parallel, "
             "scatter_to_tensor_region first. Pass **meta to each of them."],
-    "4.3": ["The loss is log Σ_v exp(z_v) - z_target. Each rank has V/W of the z_v: agree on the max, on the "
+    "4.3": ['Never gather the V logits. Which three numbers per token must the ranks agree on to compute log Σ_v exp(z_v) - z_target without overflow?',
+            "The loss is log Σ_v exp(z_v) - z_target. Each rank has V/W of the z_v: agree on the max, on the "
             "sum of exponentials and on the target logit — one number per token each.",
             "m = all-reduce MAX of the row max; s = all-reduce SUM of Σ exp(z - m); the target logit comes "
             "from the rank whose range r·V/W … (r+1)·V/W - 1 holds it (0 elsewhere), all-reduce SUM. "
@@ -45,10 +48,6 @@ HINTS = {
             "Wrap the forward in a torch.autograd.Function and save exp(z - m)/s; backward: subtract 1 at the "
             "target (on its owner rank only), zero the ignored rows, multiply by grad[:, None]; no messages."],
 }
-
-
-def _seed(ctx, n: int) -> int:
-    return getattr(ctx, "seed", lambda n: n)(n)
 
 
 def _fn(module: str, name: str):
@@ -169,24 +168,24 @@ def fg_backward_mistakes(m: Mismatch) -> str | None:
 
 @FG.check("f: identity forward, gradient summed over 2 ranks", points=2)
 def _(ctx):
-    _fg(ctx, "f", 2, _seed(ctx, 1))
+    _fg(ctx, "f", 2, ctx.seed(1))
 
 
 @FG.check("g: sum forward, gradient passed unchanged, 2 ranks", points=2)
 def _(ctx):
-    _fg(ctx, "g", 2, _seed(ctx, 2))
+    _fg(ctx, "g", 2, ctx.seed(2))
 
 
 @FG.check("f and g on 3 ranks", points=2)
 def _(ctx):
     for which in ("f", "g"):
-        _fg(ctx, which, 3, _seed(ctx, 3))
+        _fg(ctx, which, 3, ctx.seed(3))
 
 
 @FG.check("one all-reduce each, of the tensor's size (trace; feedback only, no points)", points=0)
 def _(ctx):
     for which in ("f", "g"):
-        res = _fg(ctx, which, 2, _seed(ctx, 4))
+        res = _fg(ctx, which, 2, ctx.seed(4))
         ar = [e for e in res.events(rank=0) if e["op"] in ("all_reduce", "all_gather", "reduce_scatter")]
         if ar and (len(ar) != 1 or ar[0]["nbytes"] != 3 * 5 * 8):
             raise CheckFailed(f"values are right, but {which} sent {len(ar)} collectives of "
@@ -198,11 +197,12 @@ def _(ctx):
 
 
 def _shard_want(weight, bias, style, r, W):
-    dim = 0 if style == "column" else 1
-    n = weight.shape[dim] // W
-    w = weight.narrow(dim, r * n, n)
-    b = bias[r * n:(r + 1) * n] if style == "column" else bias
-    return w, b
+    """The expected shard, written with plain slicing (rows for column-parallel, columns for row)."""
+    if style == "column":
+        n = weight.shape[0] // W
+        return weight[r * n:(r + 1) * n], bias[r * n:(r + 1) * n]
+    n = weight.shape[1] // W
+    return weight[:, r * n:(r + 1) * n], bias
 
 
 def wrong_style(m: Mismatch) -> str | None:
@@ -219,7 +219,7 @@ def wrong_style(m: Mismatch) -> str | None:
 
 @MLP.check("linear_shard: contiguous column and row shards, laid out as nn.Linear, 2 and 3 ranks", points=2)
 def _(ctx):
-    seed = _seed(ctx, 11)
+    seed = ctx.seed(11)
     weight, bias = _rand(seed, 12, 6), _rand(seed + 1, 12)
     for W in (2, 3):
         for style in ("column", "row"):
@@ -298,17 +298,17 @@ def _mlp(ctx, W: int, seed: int, scale: float = 1.0, dtype=torch.float64, tol: f
 
 @MLP.check("parallel MLP on 2 ranks: output, input and weight gradients equal one process's", points=3)
 def _(ctx):
-    _mlp(ctx, 2, _seed(ctx, 21))
+    _mlp(ctx, 2, ctx.seed(21))
 
 
 @MLP.check("parallel MLP on 3 ranks, inputs ×30", points=2)
 def _(ctx):
-    _mlp(ctx, 3, _seed(ctx, 22), scale=30.0)
+    _mlp(ctx, 3, ctx.seed(22), scale=30.0)
 
 
 @MLP.check("one all-reduce forward, one backward (trace; feedback only, no points)", points=0)
 def _(ctx):
-    res = _mlp(ctx, 2, _seed(ctx, 23))
+    res = _mlp(ctx, 2, ctx.seed(23))
     ar = [e for e in res.events(rank=0) if e["op"] in ("all_reduce", "all_gather", "reduce_scatter")]
     if len(ar) != 2:
         raise CheckFailed(f"values are right, but rank 0 ran {len(ar)} collectives for one forward + backward; "
@@ -373,18 +373,18 @@ def _xent(ctx, W: int, seed: int, scale: float, dtype=torch.float64, tol: float 
 
 @XENT.check("2 ranks: loss and gradient equal F.cross_entropy, targets at shard edges, one ignored", points=3)
 def _(ctx):
-    _xent(ctx, 2, _seed(ctx, 31), 1.0)
+    _xent(ctx, 2, ctx.seed(31), 1.0)
 
 
 @XENT.check("3 ranks, float32 logits ×30, one token shifted by +100: finite and exact (needs the max)", points=2)
 def _(ctx):
-    _xent(ctx, 3, _seed(ctx, 32), 30.0, dtype=torch.float32, tol=2e-4)
+    _xent(ctx, 3, ctx.seed(32), 30.0, dtype=torch.float32, tol=2e-4)
 
 
 @XENT.check("never gathers the vocabulary: 3 all-reduces of one number per token (trace; feedback only, no points)",
             points=0)
 def _(ctx):
-    res = _xent(ctx, 2, _seed(ctx, 33), 1.0)
+    res = _xent(ctx, 2, ctx.seed(33), 1.0)
     T, Vw = 9, 4
     big = [e for e in res.events(rank=0) if e["op"] in ("all_reduce", "all_gather", "reduce_scatter", "send", "all_to_all")
            and e["nbytes"] >= T * Vw * 8]
