@@ -7,8 +7,9 @@ import torch.distributed as dist
 
 from . import comm
 from .mesh import RankGrid
+from .recorded import recordable
 
-__all__ = ["group_sums", "device_mesh_groups"]
+__all__ = ["group_sums", "device_mesh_groups", "tiny_gpt_curves"]
 
 
 def group_sums(grids: list[dict], axes: list[str]) -> list[dict]:
@@ -42,3 +43,23 @@ def device_mesh_groups(sizes: dict) -> dict[str, list[int]]:
     names = ("pp", "dp", "cp", "tp")
     mesh = init_device_mesh("cpu", tuple(sizes.get(n, 1) for n in names), mesh_dim_names=names)
     return {n: sorted(dist.get_process_group_ranks(mesh.get_group(n))) for n in names}
+
+
+@recordable("05c.tiny_gpt_curves", needs=("5b.1", "5b.2"))
+def tiny_gpt_curves(steps: int = 40, lr: float = 1e-2, d_model: int = 32, heads: int = 4, layers: int = 4,
+                    d_ff: int = 64, seq_len: int = 32) -> dict:
+    """Single-process loss curves of the tiny GPT, dense and with MoE blocks (4 experts, top-2).
+
+    The MoE layer routes with the learner's ``top_k_gating`` and ``load_balancing_loss`` in the
+    student release, so this demo is recordable: it replays the reference's curves until 5b.1 and
+    5b.2 pass.
+    """
+    from .gpt import train_single
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        size = dict(d_model=d_model, heads=heads, layers=layers, d_ff=d_ff, seq_len=seq_len)
+        return {"dense": train_single(steps, lr=lr, **size),
+                "moe": train_single(steps, lr=lr, num_experts=4, top_k=2, **size)}
+    finally:
+        torch.set_num_threads(old)

@@ -148,7 +148,7 @@ def test_release_notebook_explains_with_stubs_untouched_and_asks_for_exercises_i
     book.cells.append(nbformat.v4.new_code_cell("import reference, exercises\n"
                                                 "print('IMPORTED', reference.__file__, exercises.__file__)"))
     NotebookClient(book, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(nb.parent)}}).execute()
-    text = "".join(cell_text(c) for c in book.cells if c.cell_type == "code")
+    text = "\n".join(cell_text(c) for c in book.cells if c.cell_type == "code")
     imported = [ln for ln in text.splitlines() if ln.startswith("IMPORTED")][-1].split()[1:]
     assert all(path.startswith(str(built)) for path in imported), imported
     silenced = [f"cell {i}: {c.source.splitlines()[0][:80]!r} printed {cell_text(c).strip()[:200]!r}"
