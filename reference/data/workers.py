@@ -17,7 +17,8 @@ from .models import make_model
 __all__ = ["batch", "train", "OPTIMIZERS"]
 
 OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
-              "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.1))}
+              "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.1)),
+              "plain_sgd": (torch.optim.SGD, dict(lr=0.5))}     # update = −0.5·gradient: shows which shard moved
 
 
 def batch(kind: str, seed: int, step: int, micro: int, rank: int, rows: int = 2, scale: float = 1.0,
