@@ -248,7 +248,7 @@ def wrong_shard(m: Mismatch) -> str | None:
     W, S = m.extra.get("W"), m.extra.get("S")
     if not got or start is None or not W or not S:
         return None
-    names = list(want)
+    names = m.extra.get("names") or list(want)
     flat = lambda d: torch.cat([(d[n] - start[n]).reshape(-1) for n in names])   # noqa: E731
     try:
         g, w = flat(got), flat(want)
@@ -281,7 +281,9 @@ def _zero_case(ctx, W: int, stage: int, kind: str, opt: str, seed: int, steps: i
     start = _single(ctx, kind, opt, W, **{**kw, "steps": 0})["params"]
     from reference.data.models import make_model
     from reference.data.zero import shard_size
-    psi = sum(p.numel() for p in make_model(kind).parameters() if p.requires_grad)
+    model = make_model(kind)
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]      # the flat layout's order
     case = f"W={W}, stage {stage}, {kind}, {opt}, {steps} step(s)"
     for r, v in enumerate(res.values):
         for n, want in truth["params"].items():
@@ -289,7 +291,7 @@ def _zero_case(ctx, W: int, stage: int, kind: str, opt: str, seed: int, steps: i
             ctx.compare(None if got is None else got - start[n], want - start[n], f"update of {n}", rank=r,
                         world_size=W, atol=1e-10, rtol=1e-9, case=case, detectors=[wrong_shard],
                         extra={"all_got": v["params"], "all_want": truth["params"], "start": start, "W": W,
-                               "S": shard_size(psi, W)})
+                               "S": shard_size(psi, W), "names": names})
     return res, psi
 
 
