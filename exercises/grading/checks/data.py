@@ -65,7 +65,7 @@ def grads_per_rank(module: str, per_rank: list[list[torch.Tensor | None]]):
     import torch.distributed as dist
     params = []
     for g in per_rank[dist.get_rank()]:
-        p = torch.nn.Parameter(torch.zeros(g.shape if g is not None else (2,), dtype=torch.float64))
+        p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64) if g is None else torch.zeros_like(g))
         p.grad = None if g is None else g.clone()
         params.append(p)
     _fn(module, "all_reduce_gradients")(params)
