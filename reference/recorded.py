@@ -147,6 +147,24 @@ def recordable(key: str, *, needs: Sequence[str] = (), variants: Sequence[dict] 
     return deco
 
 
+def live_world(n: int, worlds: dict | None = None):
+    """A context manager giving a world of ``n`` ranks: ``worlds[n]`` if the notebook keeps one
+    alive ({n: World}), else a new one, closed on exit (what a recording run uses)."""
+    from contextlib import nullcontext
+
+    from .launch import World
+    if worlds and n in worlds:
+        return nullcontext(worlds[n])
+    if _POOL is not None:                      # record_all: one world per size for every recording
+        if n not in _POOL:
+            _POOL[n] = World(n, timeout=60, echo=False).start()
+        return nullcontext(_POOL[n])
+    return World(n, timeout=60, echo=False)
+
+
+_POOL: dict | None = None
+
+
 def import_all(package: str = "reference") -> dict[str, Recordable]:
     """Import every module of ``package`` so that every recordable is registered."""
     pkg = importlib.import_module(package)
@@ -161,16 +179,23 @@ def record_all(dest: Path, keys: Sequence[str] | None = None, progress: Callable
     """Run every recordable (defaults + variants) here, from the full reference, and save the
     results in ``dest/<key>.pt``; return how many calls were recorded.  Used by ``make release``."""
     import torch
+    global _POOL
     dest.mkdir(parents=True, exist_ok=True)
     n = 0
-    for key, rec in sorted(import_all().items()):
-        if keys is not None and key not in keys:
-            continue
-        results = {}
-        for kwargs in [{}] + rec.variants:
-            if progress:
-                progress(f"recording {key} {kwargs or ''}")
-            results[rec.call_key((), kwargs)] = rec.fn(**kwargs)
-            n += 1
-        torch.save(results, dest / f"{key}.pt")
+    _POOL = {}
+    try:
+        for key, rec in sorted(import_all().items()):
+            if keys is not None and key not in keys:
+                continue
+            results = {}
+            for kwargs in [{}] + rec.variants:
+                if progress:
+                    progress(f"recording {key} {kwargs or ''}")
+                results[rec.call_key((), kwargs)] = rec.fn(**kwargs)
+                n += 1
+            torch.save(results, dest / f"{key}.pt")
+    finally:
+        pool, _POOL = _POOL, None
+        for world in pool.values():
+            world.close()
     return n

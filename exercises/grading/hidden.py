@@ -78,3 +78,28 @@ if "3.4" in EXERCISES:
         kw = dict(steps=2, seed=ctx.seed(396), return_grads=False)
         res = ctx.ranks(W, f"{H}:train_per_rank", "fsdp", "mlp", "adamw", kw)
         _compare_params(ctx, res, _single(ctx, "mlp", "adamw", W, **kw), W, "W=4, MLP, FSDP")
+
+
+if "4.1" in EXERCISES:
+    from .checks import tensor as _tensor
+
+    @hidden_check("4.1", "f and g on 4 ranks")
+    def _(ctx):
+        for which in ("f", "g"):
+            _tensor._fg(ctx, which, 4, 401)
+
+
+if "4.2" in EXERCISES:
+    from .checks import tensor as _tensor
+
+    @hidden_check("4.2", "parallel MLP on 4 ranks in float32, inputs ×30")
+    def _(ctx):
+        _tensor._mlp(ctx, 4, 402, scale=30.0, dtype=torch.float32, tol=2e-4)
+
+
+if "4.3" in EXERCISES:
+    from .checks import tensor as _tensor
+
+    @hidden_check("4.3", "4 ranks, float64 logits ×30 with a +100 token, targets at every shard edge")
+    def _(ctx):
+        _tensor._xent(ctx, 4, 403, 30.0)
