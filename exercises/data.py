@@ -40,8 +40,9 @@ def all_reduce_gradients(parameters: Iterable[torch.Tensor], *, group=None) -> N
     None are skipped (the same ones on every rank).
     """
     raise NotImplementedError(
-        "Exercise 3.1: every rank must end with the gradient of the MEAN loss over ranks. Which collective "
-        "gives every rank the same total, and what turns a total into a mean?")
+        'Exercise 3.1 (all_reduce_gradients): Every rank must end with the gradient of the MEAN loss over '
+        'ranks. Which collective gives every rank the same total, and what turns a total into a mean? More '
+        'help: hint("3.1").')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,8 +59,10 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_bytes: int) -> list[li
         sizes [3, 3, 3, 9, 1], cap 6   →   [[0, 1], [2], [3], [4]]
     """
     raise NotImplementedError(
-        "Exercise 3.2: one greedy pass over the parameters in the order given, counting bytes (numel × "
-        "element_size); the docstring's example shows where a bucket closes.")
+        'Exercise 3.2 (assign_buckets): assign_buckets is one greedy pass in the given order, counting bytes;'
+        ' grad_ready counts a gradient and posts every complete bucket next in line with '
+        'comm.all_reduce_async, never waiting; finish_buckets posts the rest, waits, turns sums into means '
+        'and puts the gradients back. More help: hint("3.2").')
 
 
 def grad_ready(buckets: list[Bucket], index: int, *, group=None) -> None:
@@ -71,8 +74,10 @@ def grad_ready(buckets: list[Bucket], index: int, *, group=None) -> None:
     the pending handle in ``work``.  Do not wait here: backward goes on computing while it flies.
     """
     raise NotImplementedError(
-        "Exercise 3.2: count the gradient, then post every complete bucket that is next in line (in bucket "
-        "order) with comm.all_reduce_async — and do not wait for it here.")
+        'Exercise 3.2 (grad_ready): assign_buckets is one greedy pass in the given order, counting bytes; '
+        'grad_ready counts a gradient and posts every complete bucket next in line with '
+        'comm.all_reduce_async, never waiting; finish_buckets posts the rest, waits, turns sums into means '
+        'and puts the gradients back. More help: hint("3.2").')
 
 
 def finish_buckets(buckets: list[Bucket], *, group=None) -> None:
@@ -84,8 +89,10 @@ def finish_buckets(buckets: list[Bucket], *, group=None) -> None:
     of its parameters (creating ``.grad`` where it was None).  Reset ``ready``/``buffer``/``work``.
     """
     raise NotImplementedError(
-        "Exercise 3.2: whatever was not posted yet goes now (missing gradients count as zeros); then wait, "
-        "turn each sum into a mean, and put the slices back into .grad.")
+        'Exercise 3.2 (finish_buckets): assign_buckets is one greedy pass in the given order, counting bytes;'
+        ' grad_ready counts a gradient and posts every complete bucket next in line with '
+        'comm.all_reduce_async, never waiting; finish_buckets posts the rest, waits, turns sums into means '
+        'and puts the gradients back. More help: hint("3.2").')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,8 +115,9 @@ def zero_step(params: list[torch.Tensor], shard: torch.Tensor, optimizer: torch.
     (``comm.all_gather_into_tensor``) brings every rank the full updated parameters.
     """
     raise NotImplementedError(
-        "Exercise 3.3: reduce the flat gradient (stage 1 and stage 2 differ here), let the optimizer update "
-        "only this rank's shard, then share the updated shards. Which elements does rank r own?")
+        'Exercise 3.3 (zero_step): Reduce the flat gradient (stage 1 and stage 2 differ here), let the '
+        "optimizer update only this rank's shard, then share the updated shards. Which elements does rank r "
+        'own? More help: hint("3.3").')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,8 +133,9 @@ def gather_full_params(shard: torch.Tensor, *, group=None, layer: str | None = N
     caller takes views of it as the layer's weights and frees it after use.
     """
     raise NotImplementedError(
-        "Exercise 3.4: every rank needs every rank's shard, in rank order — one collective does it "
-        "(comm.all_gather_into_tensor).")
+        "Exercise 3.4 (gather_full_params): gather_full_params: every rank's shard, in rank order (one all-"
+        'gather). reduce_scatter_grad: only your own S elements of the gradient summed over ranks — and as a '
+        'mean. More help: hint("3.4").')
 
 
 def reduce_scatter_grad(flat_grad: torch.Tensor, *, group=None, layer: str | None = None) -> torch.Tensor:
@@ -136,5 +145,6 @@ def reduce_scatter_grad(flat_grad: torch.Tensor, *, group=None, layer: str | Non
     ÷ N: rank r gets (1/N) Σ_q flat_grad_q[r·S:(r+1)·S].
     """
     raise NotImplementedError(
-        "Exercise 3.4: each rank keeps only its own S elements of the gradient summed over ranks — and a "
-        "mean, not a sum.")
+        "Exercise 3.4 (reduce_scatter_grad): gather_full_params: every rank's shard, in rank order (one all-"
+        'gather). reduce_scatter_grad: only your own S elements of the gradient summed over ranks — and as a '
+        'mean. More help: hint("3.4").')

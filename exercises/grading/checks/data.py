@@ -24,12 +24,25 @@ ZERO = exercise("3.3", "A ZeRO-1/2 optimizer step: reduce, update my shard, all-
 ZERO3 = exercise("3.4", "ZeRO-3's collectives: gather before use, reduce-scatter the gradient", "data",
                  ["gather_full_params", "reduce_scatter_grad"])
 
-# More help, one tier at a time (the stub's message is tier 0).
+T1_31 = ('Every rank must end with the gradient of the MEAN loss over ranks. Which collective gives every rank'
+         ' the same total, and what turns a total into a mean?')
+T1_32 = ('assign_buckets is one greedy pass in the given order, counting bytes; grad_ready counts a gradient '
+         'and posts every complete bucket next in line with comm.all_reduce_async, never waiting; '
+         'finish_buckets posts the rest, waits, turns sums into means and puts the gradients back.')
+T1_33 = ('Reduce the flat gradient (stage 1 and stage 2 differ here), let the optimizer update only this '
+         "rank's shard, then share the updated shards. Which elements does rank r own?")
+T1_34 = ("gather_full_params: every rank's shard, in rank order (one all-gather). reduce_scatter_grad: only "
+         'your own S elements of the gradient summed over ranks — and as a mean.')
+
+
+# Hints in tiers: tier 1 is what the stub raises; hint("3.2") shows the next.
 HINTS = {
-    "3.1": ["L = (1/N) Σ_r L_r, so ∇L = (1/N) Σ_r ∇L_r: the all-reduce gives the Σ, you give the 1/N.",
+    "3.1": [T1_31,
+            "L = (1/N) Σ_r L_r, so ∇L = (1/N) Σ_r ∇L_r: the all-reduce gives the Σ, you give the 1/N.",
             "for p in parameters: if p.grad is not None: comm.all_reduce(p.grad, group=group); then divide "
             "p.grad in place by comm.world_size(group)."],
-    "3.2": ["assign_buckets: keep `filled` (bytes in the current bucket); a parameter starts a new bucket when "
+    "3.2": [T1_32,
+            "assign_buckets: keep `filled` (bytes in the current bucket); a parameter starts a new bucket when "
             "the current one is non-empty and filled + its bytes > cap.",
             "grad_ready: buckets must be posted in index order on every rank (collectives match by order), so after "
             "counting, loop over buckets: `if b.work is not None: continue`; `if b.ready < len(b.params): break`; "
@@ -37,14 +50,18 @@ HINTS = {
             "finish_buckets: post the unposted (zeros_like(p) where p.grad is None); then for each bucket "
             "flat = b.work.wait() / N, and copy flat[offset:offset+p.numel()].view_as(p) into p.grad; reset "
             "ready = 0, buffer = work = None."],
-    "3.3": ["Rank r owns flat elements [r·S, (r+1)·S), S = shard.numel(). Build a flat gradient of N·S zeros and copy "
+    "3.3": [T1_33,
+            "Rank r owns flat elements [r·S, (r+1)·S), S = shard.numel(). Build a flat gradient of N·S zeros and copy "
             "each p.grad at its offset (parameters in order).",
             "stage 1: comm.all_reduce(flat); flat /= N; p.grad = flat[offset:...].view_as(p); shard.grad = "
             "flat[r*S:(r+1)*S].  stage 2: mine = shard.new_empty(S); comm.reduce_scatter_tensor(mine, flat); mine /= N; "
             "p.grad = None; shard.grad = mine.",
             "Then optimizer.step(); full = shard.new_empty(N*S); comm.all_gather_into_tensor(full, shard.detach()); "
             "with torch.no_grad(): p.copy_(full[offset:...].view_as(p)) for each parameter."],
-    "3.4": ["gather: full = shard.new_empty(N * shard.numel()); comm.all_gather_into_tensor(full, shard.detach(), "
+    "3.4": [T1_34,
+            "Both work on flat 1-D tensors: gather takes S elements and returns N·S; reduce-scatter takes N·S and "
+            "returns S. S = shard.numel() = flat_grad.numel() // N, N = comm.world_size(group).",
+            "gather: full = shard.new_empty(N * shard.numel()); comm.all_gather_into_tensor(full, shard.detach(), "
             "group=group, what='params', layer=layer, phase=phase); return full.",
             "reduce-scatter: out = flat_grad.new_empty(flat_grad.numel() // N); comm.reduce_scatter_tensor(out, "
             "flat_grad, group=group, what='grads', layer=layer); return out / N."],
