@@ -168,3 +168,48 @@ def unused_on_some_ranks(bucket_cap_mb: float = 25.0) -> dict:
     x, y = batch("mlp", 0, 0, 0, comm.rank(), d=4)
     F.mse_loss(ddp(x, use_b=comm.rank() == 0), y).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def time_steps(method: str, layers: int = 6, width: int = 512, rows: int = 64, steps: int = 10, warmup: int = 3,
+               bucket_cap_mb: float = 25.0) -> float:
+    """Rank worker for ``benchmarks/data_parallel.py``: seconds per training step (forward, backward,
+    AdamW step, zero_grad) of ``demos.layer_model`` in float32, median over ``steps`` after ``warmup``."""
+    import time
+
+    import torch.distributed as dist
+
+    from .demos import layer_model
+    model = layer_model(layers, width)
+    wrapped, opt = model, None
+    if method == "ddp":
+        from .ddp import DataParallel
+        wrapped = DataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    elif method in ("zero1", "zero2"):
+        from .zero import ZeroOptimizer
+        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=int(method[-1]), lr=1e-3)
+    elif method == "fsdp":
+        from .fsdp import FullyShardedDataParallel
+        wrapped = FullyShardedDataParallel(model)
+    elif method in ("torch_ddp", "torch_zero1"):
+        from torch.nn.parallel import DistributedDataParallel
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        if method == "torch_zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    elif method == "torch_fsdp":
+        from torch.distributed.fsdp import fully_shard
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    opt = opt or torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(comm.rank()))
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        F.mse_loss(wrapped(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[warmup:])[steps // 2]
