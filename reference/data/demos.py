@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm, trace
-from ..recorded import recordable
+from ..recorded import live_world, recordable
 
 __all__ = ["ddp_runs", "zero_memory", "timeline_run", "no_sync_run", "zero_run", "SETTINGS", "layer_model"]
 
@@ -81,12 +81,9 @@ def ddp_runs(world_size: int = 2, layers: int = 6, width: int = 256, rows: int =
     "no_sync": gradient accumulation over ``accum`` micro-batches with and without ``no_sync``:
     the gradient all-reduce bytes of rank 0, and the largest parameter difference between the two.
     """
-    from ..launch import World
     from ..trace import Trace
-    own = world is None
-    world = world or World(world_size, timeout=120, echo=False).start()
     timelines, no_sync = {}, {}
-    try:
+    with live_world(world_size, {world_size: world} if world is not None else None) as world:
         for label, kw in SETTINGS(width).items():
             for _ in range(repeats):
                 res = world.run(timeline_run, layers, width, rows, kw["bucket_cap_mb"], kw["overlap"])
@@ -99,9 +96,6 @@ def ddp_runs(world_size: int = 2, layers: int = 6, width: int = 256, rows: int =
             no_sync[use] = sum(e.nbytes for e in res.trace.filter("all_reduce", rank=0, what="grads"))
             params[use] = res.values[0]
         diff = max(float((params[True][n] - params[False][n]).abs().max()) for n in params[True])
-    finally:
-        if own:
-            world.close()
     return {"timelines": timelines, "no_sync": {"accum": accum, "bytes_with": no_sync[True],
                                                 "bytes_without": no_sync[False], "max_param_diff": diff}}
 
@@ -158,13 +152,8 @@ def zero_memory(sizes: tuple = (1, 2, 4), layers: int = 4, width: int = 64, rows
     Returns {"psi": trainable elements, "rows": rank 0's rows (method, N, params, grads,
     optimizer_state, ring_bytes)}.
     """
-    from ..launch import World
-    own = world is None
-    world = world or World(max(sizes), timeout=120, echo=False).start()
-    try:
+    n = max(sizes)
+    with live_world(n, {n: world} if world is not None else None) as world:
         res = world.run(zero_run, tuple(sizes), layers, width, rows)
-    finally:
-        if own:
-            world.close()
     psi = sum(p.numel() for p in layer_model(layers, width).parameters())
     return {"psi": psi, "layers": layers, "rows": res.values[0]}
