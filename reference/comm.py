@@ -26,7 +26,8 @@ from . import trace
 from .trace import span
 
 __all__ = ["rank", "world_size", "ring_peers", "send", "recv", "exchange", "Pending", "all_reduce",
-           "all_gather", "reduce_scatter", "all_to_all_single", "all_to_all", "all_to_all_autograd", "broadcast",
+           "all_gather", "reduce_scatter", "all_reduce_async", "PendingCollective", "reduce_scatter_tensor",
+           "all_gather_into_tensor", "ring_bytes", "all_to_all_single", "all_to_all", "all_to_all_autograd", "broadcast",
            "barrier", "new_group", "nbytes"]
 
 
@@ -163,6 +164,7 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
 
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, *, group=None, step: int | None = None,
                **meta: Any) -> torch.Tensor:
+    meta.setdefault("ring_bytes", ring_bytes("all_reduce", nbytes(tensor), world_size(group)))
     with span("all_reduce", nbytes=nbytes(tensor), step=step, **meta):
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
@@ -250,6 +252,89 @@ def all_to_all_autograd(x: torch.Tensor, send_splits: list[int] | None = None, r
         raise ValueError(f"splits must have {w} entries and send_splits must sum to {x.shape[0]}; "
                          f"got send {list(send_splits)}, recv {list(recv_splits)}")
     return _AllToAll.apply(x, list(send_splits), list(recv_splits), group, {"what": what, **meta})
+
+
+# ----------------------------------------------------------------------------------------------
+# Flat-buffer collectives of data parallelism and ZeRO.  ``meta["ring_bytes"]`` is what a ring
+# algorithm sends per rank for the call: the figure the ZeRO paper's communication counts use.
+
+
+def ring_bytes(op: str, nbytes_in: int, w: int) -> int:
+    """Bytes one rank sends in a ring implementation of ``op`` (``nbytes_in``: what it hands in).
+
+        all_reduce      2·(W−1)/W · B     (a reduce-scatter, then an all-gather)
+        reduce_scatter    (W−1)/W · B     (B: the whole input, W chunks)
+        all_gather        (W−1)   · B     (B: this rank's shard)
+    """
+    if w <= 1:
+        return 0
+    return {"all_reduce": 2 * (w - 1) * nbytes_in // w, "reduce_scatter": (w - 1) * nbytes_in // w,
+            "all_gather": (w - 1) * nbytes_in}[op]
+
+
+class PendingCollective:
+    """A collective in flight (``async_op=True``).  :meth:`wait` (safe to call twice) returns the
+    tensor; the trace gets one event from the moment it was posted to the moment ``wait`` returned."""
+
+    def __init__(self, work, tensor, op, nbytes_, step, meta, t_post):
+        self._work, self.tensor, self._op, self._nbytes = work, tensor, op, nbytes_
+        self._step, self._meta, self.t_post = step, meta, t_post
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            import time
+            trace.set_status(trace.describe(self._op, None, self._step, self._meta)
+                             + "".join(f" {k}={v}" for k, v in self._meta.items() if k in ("what", "bucket", "layer")))
+            try:
+                with trace.quiet():
+                    if self._work is not None:
+                        self._work.wait()
+            finally:
+                trace.set_status("")
+            self._done = True
+            trace.emit(self._op, nbytes=self._nbytes, step=self._step, start=self.t_post, end=time.perf_counter(),
+                       **self._meta)
+        return self.tensor
+
+
+def all_reduce_async(tensor: torch.Tensor, op=dist.ReduceOp.SUM, *, group=None, step: int | None = None,
+                     **meta: Any) -> PendingCollective:
+    """Post an all-reduce and return at once; ``.wait()`` when the result is needed (traced)."""
+    import time
+    meta.setdefault("ring_bytes", ring_bytes("all_reduce", nbytes(tensor), world_size(group)))
+    t_post = time.perf_counter()
+    work = None
+    if dist.is_initialized():
+        with trace.quiet():
+            work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return PendingCollective(work, tensor, "all_reduce", nbytes(tensor), step, meta, t_post)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, *, group=None,
+                          step: int | None = None, **meta: Any) -> torch.Tensor:
+    """``output`` (n) ← this rank's chunk of the reduction of every rank's ``input`` (W·n) (traced)."""
+    meta.setdefault("ring_bytes", ring_bytes("reduce_scatter", nbytes(input), world_size(group)))
+    with span("reduce_scatter", nbytes=nbytes(input), step=step, **meta):
+        if dist.is_initialized():
+            (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+                output, input.contiguous(), op=op, group=group)
+        else:
+            output.copy_(input)
+    return output
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=None, step: int | None = None,
+                           **meta: Any) -> torch.Tensor:
+    """``output`` (W·n) ← every rank's ``input`` (n), concatenated in group-rank order (traced)."""
+    meta.setdefault("ring_bytes", ring_bytes("all_gather", nbytes(input), world_size(group)))
+    with span("all_gather", nbytes=nbytes(input), step=step, **meta):
+        if dist.is_initialized():
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+                output, input.contiguous(), group=group)
+        else:
+            output.copy_(input)
+    return output
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, group=None, step: int | None = None, **meta: Any) -> torch.Tensor:

@@ -551,11 +551,13 @@ def _install_status_wrappers(status: _Status) -> None:
         key = {"send": "dst", "recv": "src", "broadcast": "src"}.get(name)
         peer = (kwargs.get(key, args[1] if len(args) > 1 else None)) if key else None
         data = {"all_gather": 1, "all_gather_into_tensor": 1, "reduce_scatter": 1, "reduce_scatter_tensor": 1,
+                "all_gather_single": 1, "reduce_scatter_single": 1,
                 "all_to_all": 1, "all_to_all_single": 1, "scatter": 1, "gather": 0}.get(name, 0)
         tensor = args[data] if len(args) > data else kwargs.get("tensor", kwargs.get("input"))
         return peer, size(tensor)
 
     op_name = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+               "all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter",
                "all_to_all_single": "all_to_all"}
 
     def wrap(name: str, f: Callable) -> Callable:
@@ -571,7 +573,7 @@ def _install_status_wrappers(status: _Status) -> None:
         return wrapped
 
     for name in ("send", "recv", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                 "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "barrier",
+                 "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast", "barrier",
                  "gather", "scatter", "reduce"):
         if hasattr(dist, name):
             setattr(dist, name, wrap(name, getattr(dist, name)))

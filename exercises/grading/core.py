@@ -77,8 +77,9 @@ class Exercise:
 EXERCISES: dict[str, Exercise] = {}
 DEFAULT_TIMEOUT = float(os.environ.get("GRADER_TIMEOUT", "60"))   # seconds per check, at most
 START_ALLOWANCE = 30.0   # seconds a runner may take to start its ranks, on top of a check's limit
-CHECK_MODULES = ["exercises.grading.checks.collectives", "exercises.grading.checks.sequence",
-                 "exercises.grading.checks.moe", "exercises.grading.checks.tensor"]
+CHECK_MODULES = ["exercises.grading.checks.collectives", "exercises.grading.checks.data",
+                 "exercises.grading.checks.tensor", "exercises.grading.checks.sequence",
+                 "exercises.grading.checks.moe"]
 HIDDEN_MODULES = ["exercises.grading.hidden"]   # teachers' checks; left out of the student release
 
 

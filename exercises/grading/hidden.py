@@ -43,6 +43,43 @@ if "0.2" in EXERCISES:
             ctx.compare(res.values[r], full, "gathered tensor", rank=r, world_size=3, atol=0, rtol=0)
 
 
+if "3.1" in EXERCISES:
+    @hidden_check("3.1", "3 ranks, float32 gradients: the mean in the gradients' own dtype")
+    def _(ctx):
+        from .checks.data import _allreduce_case
+        _allreduce_case(ctx, 3, seed=391, dtype=torch.float32)
+
+
+if "3.2" in EXERCISES:
+    @hidden_check("3.2", "4 ranks, MLP, one tensor per bucket: gradients = one process")
+    def _(ctx):
+        from .checks.data import _ddp_case
+        _ddp_case(ctx, 4, "mlp", 392, "W=4, one tensor per bucket", bucket_cap_mb=1e-6)
+
+
+if "3.3" in EXERCISES:
+    @hidden_check("3.3", "stage 1, 4 ranks (Ψ = 288 → S = 72), transformer block (uneven: 3 ranks), AdamW", points=1)
+    def _(ctx):
+        from .checks.data import _zero_case
+        _zero_case(ctx, 4, 1, "mlp", "adamw", 393, 2)
+        _zero_case(ctx, 3, 1, "block", "adamw", 394, 2)
+
+
+if "3.4" in EXERCISES:
+    @hidden_check("3.4", "4 ranks, uneven layer shards, float32 gather; FSDP on the MLP = one process")
+    def _(ctx):
+        from .checks.data import H, _compare_params, _single
+        W = 4
+        g = torch.Generator().manual_seed(ctx.seed(395))
+        shards = [torch.randn(3, generator=g).float() for _ in range(W)]
+        res = ctx.ranks(W, f"{H}:collective_per_rank", "gather_full_params", shards, {"layer": "hidden"})
+        for r, got in enumerate(res.values):
+            ctx.compare(got, torch.cat(shards), "gathered float32 parameters", rank=r, world_size=W, atol=0, rtol=0)
+        kw = dict(steps=2, seed=ctx.seed(396), return_grads=False)
+        res = ctx.ranks(W, f"{H}:train_per_rank", "fsdp", "mlp", "adamw", kw)
+        _compare_params(ctx, res, _single(ctx, "mlp", "adamw", W, **kw), W, "W=4, MLP, FSDP")
+
+
 if "4.1" in EXERCISES:
     from .checks import tensor as _tensor
 

@@ -1,0 +1,414 @@
+"""Checks for lecture 3 (the data axis): the gradient all-reduce, buckets with overlap, a ZeRO-1/2
+step, and ZeRO-3's collectives.
+
+Ground truth is computed here, in the grader, by ONE process in float64: the mean of the ranks'
+gradients for 3.1, and for the rest a single process training the same seeded model on the whole
+batch (``reference.data.workers.train("single", ...)``, plain torch — no graded function).  The
+learner's functions run inside the reference's own DataParallel / ZeroOptimizer /
+FullyShardedDataParallel on real ranks (the grader makes those call the learner's code).
+Checks about HOW the work was done (overlap seen in the trace, memory held) give feedback and
+0 points: the trace and the memory report are recorded inside the learner's processes.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core import exercise
+from ..feedback import Mismatch
+
+H = "exercises.grading.checks.data"
+
+ALLREDUCE = exercise("3.1", "The gradient all-reduce: a mean over ranks", "data", ["all_reduce_gradients"])
+BUCKETS = exercise("3.2", "Buckets, overlapped with backward", "data", ["assign_buckets", "grad_ready", "finish_buckets"])
+ZERO = exercise("3.3", "A ZeRO-1/2 optimizer step: reduce, update my shard, all-gather", "data", ["zero_step"])
+ZERO3 = exercise("3.4", "ZeRO-3's collectives: gather before use, reduce-scatter the gradient", "data",
+                 ["gather_full_params", "reduce_scatter_grad"])
+
+T1_31 = ('Every rank must end with the gradient of the MEAN loss over ranks. Which collective gives every rank'
+         ' the same total, and what turns a total into a mean?')
+T1_32 = ('assign_buckets is one greedy pass in the given order, counting bytes; grad_ready counts a gradient '
+         'and posts every complete bucket next in line with comm.all_reduce_async, never waiting; '
+         'finish_buckets posts the rest, waits, turns sums into means and puts the gradients back.')
+T1_33 = ('Reduce the flat gradient (stage 1 and stage 2 differ here), let the optimizer update only this '
+         "rank's shard, then share the updated shards. Which elements does rank r own?")
+T1_34 = ("gather_full_params: every rank's shard, in rank order (one all-gather). reduce_scatter_grad: only "
+         'your own S elements of the gradient summed over ranks — and as a mean.')
+
+
+# Hints in tiers: tier 1 is what the stub raises; hint("3.2") shows the next.
+HINTS = {
+    "3.1": [T1_31,
+            "L = (1/N) Σ_r L_r, so ∇L = (1/N) Σ_r ∇L_r: the all-reduce gives the Σ, you give the 1/N.",
+            "for p in parameters: if p.grad is not None: comm.all_reduce(p.grad, group=group); then divide "
+            "p.grad in place by comm.world_size(group)."],
+    "3.2": [T1_32,
+            "assign_buckets: keep `filled` (bytes in the current bucket); a parameter starts a new bucket when "
+            "the current one is non-empty and filled + its bytes > cap.",
+            "grad_ready: buckets must be posted in index order on every rank (collectives match by order), so after "
+            "counting, loop over buckets: `if b.work is not None: continue`; `if b.ready < len(b.params): break`; "
+            "else b.buffer = torch.cat([p.grad.reshape(-1) ...]) and b.work = comm.all_reduce_async(b.buffer, ...).",
+            "finish_buckets: post the unposted (zeros_like(p) where p.grad is None); then for each bucket "
+            "flat = b.work.wait() / N, and copy flat[offset:offset+p.numel()].view_as(p) into p.grad; reset "
+            "ready = 0, buffer = work = None."],
+    "3.3": [T1_33,
+            "Rank r owns flat elements [r·S, (r+1)·S), S = shard.numel(). Build a flat gradient of N·S zeros and copy "
+            "each p.grad at its offset (parameters in order).",
+            "stage 1: comm.all_reduce(flat); flat /= N; p.grad = flat[offset:...].view_as(p); shard.grad = "
+            "flat[r*S:(r+1)*S].  stage 2: mine = shard.new_empty(S); comm.reduce_scatter_tensor(mine, flat); mine /= N; "
+            "p.grad = None; shard.grad = mine.",
+            "Then optimizer.step(); full = shard.new_empty(N*S); comm.all_gather_into_tensor(full, shard.detach()); "
+            "with torch.no_grad(): p.copy_(full[offset:...].view_as(p)) for each parameter."],
+    "3.4": [T1_34,
+            "Both work on flat 1-D tensors: gather takes S elements and returns N·S; reduce-scatter takes N·S and "
+            "returns S. S = shard.numel() = flat_grad.numel() // N, N = comm.world_size(group).",
+            "gather: full = shard.new_empty(N * shard.numel()); comm.all_gather_into_tensor(full, shard.detach(), "
+            "group=group, what='params', layer=layer, phase=phase); return full.",
+            "reduce-scatter: out = flat_grad.new_empty(flat_grad.numel() // N); comm.reduce_scatter_tensor(out, "
+            "flat_grad, group=group, what='grads', layer=layer); return out / N."],
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Harnesses: run in the runner (or on its ranks), call learner code, return plain values.
+
+
+def _fn(module: str, name: str):
+    import importlib
+    return getattr(importlib.import_module(module), name)
+
+
+def grads_per_rank(module: str, per_rank: list[list[torch.Tensor | None]]):
+    """On each rank: parameters whose ``.grad`` are this rank's gradients; the learner averages them."""
+    import torch.distributed as dist
+    params = []
+    for g in per_rank[dist.get_rank()]:
+        p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64) if g is None else torch.zeros_like(g))
+        p.grad = None if g is None else g.clone()
+        params.append(p)
+    _fn(module, "all_reduce_gradients")(params)
+    return [p.grad for p in params]
+
+
+def buckets_of(module: str, sizes: list[int], dtypes: list[str], cap: int):
+    params = [torch.empty(n, dtype=getattr(torch, dt)) for n, dt in zip(sizes, dtypes)]
+    return _fn(module, "assign_buckets")(params, cap)
+
+
+def train_per_rank(module: str, method: str, kind: str, opt: str, kw: dict):
+    """One training run of reference.data.workers.train on this rank (the wrappers call the learner's code)."""
+    from reference.data import workers
+    return workers.train(method, kind, opt, **kw)
+
+
+def unused_per_rank(module: str, cap_mb: float):
+    from reference.data import workers
+    return workers.unused_on_some_ranks(cap_mb)
+
+
+def collective_per_rank(module: str, name: str, per_rank: list[torch.Tensor], kw: dict):
+    import torch.distributed as dist
+    return _fn(module, name)(per_rank[dist.get_rank()].clone(), **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ground truth (one process, float64)
+
+
+def _single(ctx, kind: str, opt: str, W: int, **kw) -> dict:
+    from reference.data import workers
+    return workers.train("single", kind, opt, world_size=W, **kw)
+
+
+def _compare_params(ctx, res, truth, W, case, start=None, detectors=()):
+    """Compare each rank's parameters, or their update (after − ``start``) when ``start`` is given."""
+    for r, v in enumerate(res.values):
+        for n, want in truth["params"].items():
+            got = v["params"].get(n)
+            if start is not None and isinstance(got, torch.Tensor):
+                got, want = got - start[n], want - start[n]
+            ctx.compare(got, want, f"{'update of' if start is not None else 'parameter'} {n}", rank=r, world_size=W,
+                        atol=1e-10, rtol=1e-9, case=case, detectors=detectors,
+                        extra={"all_got": v["params"], "all_want": truth["params"], "start": start, "name": n})
+
+
+# ----------------------------------------------------------------------------------------------
+# 3.1 — the gradient all-reduce
+
+
+def _grads(ctx, W: int, seed: int, scale: float = 1.0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(ctx.seed(seed))
+    shapes = [(3, 4), (5,), None, (2, 2, 2)]
+    return [[None if s is None else (torch.randn(s, generator=g, dtype=torch.float64) * scale).to(dtype)
+             for s in shapes] for _ in range(W)]
+
+
+def _allreduce_case(ctx, W: int, seed: int, scale: float = 1.0, dtype=torch.float64):
+    per_rank = _grads(ctx, W, seed, scale, dtype)
+    res = ctx.ranks(W, f"{H}:grads_per_rank", per_rank)
+    for r, got in enumerate(res.values):
+        for i, g in enumerate(per_rank[0]):
+            if g is None:
+                ctx.expect(got[i] is None, f"rank {r}: parameter {i} had no gradient on any rank; its .grad must stay "
+                           "None (skip it: every rank skips the same ones).")
+                continue
+            want = torch.stack([per_rank[q][i].double() for q in range(W)]).mean(0)
+            ctx.compare(got[i], want.to(dtype), f"gradient {i}", rank=r, world_size=W, case=f"W={W}, scale {scale:g}",
+                        atol=1e-12 * scale if dtype == torch.float64 else 1e-5 * scale, rtol=1e-10 if dtype == torch.float64 else 1e-5,
+                        extra={"input": per_rank[r][i]})
+
+
+@ALLREDUCE.check("2 ranks: every .grad becomes the mean over ranks; a missing .grad stays None", points=2)
+def _(ctx):
+    _allreduce_case(ctx, 2, seed=301)
+
+
+@ALLREDUCE.check("4 ranks, gradients of magnitude 1e6", points=2)
+def _(ctx):
+    _allreduce_case(ctx, 4, seed=302, scale=1e6)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3.2 — buckets
+
+
+BUCKET_CASES = [  # (sizes, dtypes, cap bytes, expected)
+    ([3, 3, 3, 9, 1], ["float64"] * 5, 48, [[0, 1], [2], [3], [4]]),
+    ([1, 1, 1, 1, 1], ["float64"] * 5, 10 ** 6, [[0, 1, 2, 3, 4]]),
+    ([10, 1, 1], ["float32"] * 3, 8, [[0], [1, 2]]),
+    ([2, 2, 4, 2], ["float64", "float32", "float32", "float64"], 32, [[0, 1], [2, 3]]),
+]
+
+
+@BUCKETS.check("assign_buckets: greedy in the given order, up to the cap in bytes, a big parameter alone")
+def _(ctx):
+    for sizes, dtypes, cap, want in BUCKET_CASES:
+        got = ctx.local(f"{H}:buckets_of", sizes, dtypes, cap)
+        got = [list(map(int, b)) for b in got] if isinstance(got, (list, tuple)) else got
+        words = f"sizes {sizes} elements of {dtypes}, cap {cap} bytes"
+        if got != want:
+            hint = ""
+            if isinstance(got, list) and sorted(i for b in got for i in b) != list(range(len(sizes))):
+                hint = " Every parameter index must appear exactly once."
+            elif "float32" in dtypes:
+                hint = " Count bytes (numel × element_size), not elements."
+            ctx.expect(False, f"assign_buckets({words}) returned {got}, expected {want}.{hint}")
+
+
+def _ddp_case(ctx, W: int, kind: str, seed: int, case: str, **kw):
+    kw = dict(steps=1, seed=ctx.seed(seed), **kw)
+    res = ctx.ranks(W, f"{H}:train_per_rank", "ddp", kind, "sgd", kw)
+    truth = _single(ctx, kind, "sgd", W, **kw)
+    for r, v in enumerate(res.values):
+        for n, want in truth["grads"].items():
+            ctx.compare(v["grads"].get(n), want, f"gradient of {n} after backward", rank=r, world_size=W,
+                        atol=1e-10, rtol=1e-9, case=case)
+    _compare_params(ctx, res, truth, W, case)
+    return res
+
+
+@BUCKETS.check("DataParallel with your hooks, 2 ranks, one bucket: gradients = one process on the whole batch",
+               points=2)
+def _(ctx):
+    _ddp_case(ctx, 2, "mlp", 311, "W=2, MLP, one bucket")
+
+
+@BUCKETS.check("3 ranks, transformer block, tiny buckets (many all-reduces in flight), and overlap=False", points=2)
+def _(ctx):
+    _ddp_case(ctx, 3, "block", 312, "W=3, block, 256-byte buckets", bucket_cap_mb=256 / 2 ** 20)
+    _ddp_case(ctx, 3, "block", 313, "W=3, block, overlap=False", bucket_cap_mb=256 / 2 ** 20, overlap=False)
+
+
+@BUCKETS.check("a parameter used on rank 0 only: nobody hangs; its gradient is the mean with zeros elsewhere")
+def _(ctx):
+    from torch.nn import functional as F
+    from reference.data import workers
+    W = 2
+    res = ctx.ranks(W, f"{H}:unused_per_rank", 200 / 2 ** 20, timeout=30)
+    torch.manual_seed(0)
+    model = workers.Branchy().double()
+    loss = sum(F.mse_loss(model(workers.batch("mlp", 0, 0, 0, r, d=4)[0], use_b=r == 0),
+                          workers.batch("mlp", 0, 0, 0, r, d=4)[1]) for r in range(W)) / W
+    loss.backward()
+    for r, got in enumerate(res.values):
+        for n, p in model.named_parameters():
+            ctx.compare(got.get(n), p.grad, f"gradient of {n}", rank=r, world_size=W, atol=1e-12, rtol=1e-10,
+                        case="b unused on rank 1")
+
+
+@BUCKETS.check("overlap, seen in the trace: buckets posted during backward, not waited for there (feedback only)",
+               points=0)
+def _(ctx):
+    kw = dict(steps=1, seed=ctx.seed(314), bucket_cap_mb=256 / 2 ** 20)
+    res = ctx.ranks(2, f"{H}:train_per_rank", "ddp", "block", "sgd", kw)
+    for r in range(2):
+        ready = sorted(e["start"] for e in res.events("grad_ready", rank=r))
+        ars = [e for e in res.events("all_reduce", rank=r) if e["meta"].get("what") == "grads"]
+        ctx.expect(bool(ready) and bool(ars), f"rank {r}: no gradient all-reduce in the trace (use comm.all_reduce_async).")
+        last = ready[-1]
+        ctx.expect(min(e["start"] for e in ars) < last,
+                   f"rank {r}: every bucket's all-reduce started after the last gradient of backward: nothing overlaps. "
+                   "Post a bucket from grad_ready as soon as it is complete.")
+        early = [e for e in ars if e["end"] < last]
+        ctx.expect(not early, f"rank {r}: the all-reduce of bucket(s) {sorted({e['meta'].get('bucket') for e in early})} "
+                   "finished before backward produced its last gradient: a bucket waited for too early (a .wait() or a "
+                   "blocking all_reduce in grad_ready), so backward stood still while it flew. Post with "
+                   "comm.all_reduce_async in grad_ready and wait only in finish_buckets.")
+
+
+# ----------------------------------------------------------------------------------------------
+# 3.3 — a ZeRO-1/2 step
+
+
+def wrong_shard(m: Mismatch) -> str | None:
+    """The update of one rank's block of the flat vector matches another block's true update."""
+    got, want, start = m.extra.get("all_got"), m.extra.get("all_want"), m.extra.get("start")
+    W, S = m.extra.get("W"), m.extra.get("S")
+    if not got or start is None or not W or not S:
+        return None
+    names = m.extra.get("names") or list(want)
+    flat = lambda d: torch.cat([(d[n] - start[n]).reshape(-1) for n in names])   # noqa: E731
+    try:
+        g, w = flat(got), flat(want)
+    except Exception:
+        return None
+    pad = W * S - g.numel()
+    g, w = torch.cat([g, g.new_zeros(pad)]), torch.cat([w, w.new_zeros(pad)])
+    gb, wb = g.view(W, S), w.view(W, S)
+    right = [q for q in range(W) if torch.allclose(gb[q], wb[q], atol=1e-10, rtol=1e-8)]
+    if len(right) == W:
+        return None
+    if all(bool((gb[q] == 0).all()) for q in range(W) if q not in right):
+        return (f"only the elements of rank(s) {right}'s shard changed: the other ranks' updated shards never came back "
+                "— all-gather every rank's shard and copy it into the parameters.")
+    for q in range(W):
+        if q in right:
+            continue
+        for p in range(W):
+            if p != q and torch.allclose(gb[q], wb[p], atol=1e-10, rtol=1e-8):
+                return (f"elements [{q}·S, {q + 1}·S) (rank {q}'s shard, S = {S}) got the update that belongs to rank {p}'s "
+                        f"elements: a rank updated the wrong shard. Rank r owns [r·S, (r+1)·S): its shard.grad must be "
+                        "that slice of the reduced gradient.")
+    return None
+
+
+def _zero_case(ctx, W: int, stage: int, kind: str, opt: str, seed: int, steps: int):
+    kw = dict(steps=steps, seed=ctx.seed(seed), return_grads=False)
+    res = ctx.ranks(W, f"{H}:train_per_rank", f"zero{stage}", kind, opt, kw)
+    truth = _single(ctx, kind, opt, W, **kw)
+    start = _single(ctx, kind, opt, W, **{**kw, "steps": 0})["params"]
+    from reference.data.models import make_model
+    from reference.data.zero import shard_size
+    model = make_model(kind)
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]      # the flat layout's order
+    case = f"W={W}, stage {stage}, {kind}, {opt}, {steps} step(s)"
+    for r, v in enumerate(res.values):
+        for n, want in truth["params"].items():
+            got = v["params"].get(n)
+            ctx.compare(None if got is None else got - start[n], want - start[n], f"update of {n}", rank=r,
+                        world_size=W, atol=1e-10, rtol=1e-9, case=case, detectors=[wrong_shard],
+                        extra={"all_got": v["params"], "all_want": truth["params"], "start": start, "W": W,
+                               "S": shard_size(psi, W), "names": names})
+    return res, psi
+
+
+@ZERO.check("stage 1, 2 ranks, one plain SGD step: every parameter moves by −lr × the mean gradient", points=2)
+def _(ctx):
+    _zero_case(ctx, 2, 1, "mlp", "plain_sgd", 321, 1)
+
+
+@ZERO.check("stage 2, 3 ranks (uneven shards), 3 AdamW steps = one process on the whole batch", points=2)
+def _(ctx):
+    _zero_case(ctx, 3, 2, "mlp", "adamw", 322, 3)
+
+
+@ZERO.check("stage 2, 2 ranks, transformer block, SGD with momentum", points=1)
+def _(ctx):
+    _zero_case(ctx, 2, 2, "block", "sgd", 323, 2)
+
+
+@ZERO.check("memory measured: stage 2 keeps 1/N of the gradient, both stages 1/N of the optimizer state "
+            "(feedback only)", points=0)
+def _(ctx):
+    from reference.data.zero import shard_size
+    W = 2
+    for stage in (1, 2):
+        res, psi = _zero_case(ctx, W, stage, "mlp", "adamw", 324 + stage, 1)
+        S = shard_size(psi, W)
+        for r, v in enumerate(res.values):
+            mem = v["memory"]
+            want = W * S * 8 if stage == 1 else S * 8
+            ctx.expect(mem["grads"] == want, f"stage {stage}, rank {r}: holds {mem['grads']} bytes of gradient after the "
+                       f"step, expected {want} ({'the full mean gradient, N·S' if stage == 1 else 'only its shard, S'} "
+                       "float64 elements)." + (" Set each p.grad to None in stage 2: the reduce-scatter gave you "
+                                               "your shard." if stage == 2 and mem["grads"] > want else ""))
+            ctx.expect(mem["optimizer_state"] <= 2 * S * 8 + 8, f"stage {stage}, rank {r}: {mem['optimizer_state']} bytes "
+                       f"of optimizer state; AdamW on an S = {S} shard holds 2·S·8 + a step counter. The optimizer "
+                       "state is not sharded: update `shard` with the optimizer you were given, nothing else.")
+
+
+# ----------------------------------------------------------------------------------------------
+# 3.4 — ZeRO-3's collectives
+
+
+def gathered_out_of_order(m: Mismatch) -> str | None:
+    shards = m.extra.get("shards")
+    if not isinstance(m.got, torch.Tensor) or shards is None or m.got.shape != m.expected.shape:
+        return None
+    W = len(shards)
+    for k in range(1, W):
+        if torch.equal(m.got, torch.cat([shards[(q + k) % W] for q in range(W)])):
+            return f"your gathered vector is rotated by {k} rank(s): put rank q's shard at [q·S, (q+1)·S)."
+    if torch.equal(m.got, torch.cat(shards[::-1])):
+        return "your gathered vector has the shards in reverse rank order."
+    return None
+
+
+def wrong_chunk(m: Mismatch) -> str | None:
+    chunks = m.extra.get("chunks")
+    if not isinstance(m.got, torch.Tensor) or chunks is None or m.got.shape != m.expected.shape:
+        return None
+    for q, c in enumerate(chunks):
+        if q != m.rank and (torch.allclose(m.got, c, atol=1e-12) or torch.allclose(m.got, c * len(chunks), atol=1e-9)):
+            return f"rank {m.rank} got rank {q}'s part of the gradient: rank r keeps elements [r·S, (r+1)·S)."
+    return None
+
+
+@ZERO3.check("gather_full_params, 3 ranks: every rank gets every shard, in rank order")
+def _(ctx):
+    W, S = 3, 5
+    g = torch.Generator().manual_seed(ctx.seed(331))
+    shards = [torch.randn(S, generator=g, dtype=torch.float64) for _ in range(W)]
+    res = ctx.ranks(W, f"{H}:collective_per_rank", "gather_full_params", shards, {"layer": "check"})
+    want = torch.cat(shards)
+    for r, got in enumerate(res.values):
+        ctx.compare(got, want, "gathered parameters", rank=r, world_size=W, atol=0, rtol=0,
+                    detectors=[gathered_out_of_order], extra={"shards": shards, "input": shards[r]})
+
+
+@ZERO3.check("reduce_scatter_grad, 3 ranks: each rank gets its S elements of the MEAN gradient")
+def _(ctx):
+    W, S = 3, 4
+    g = torch.Generator().manual_seed(ctx.seed(332))
+    grads = [torch.randn(W * S, generator=g, dtype=torch.float64) * 100 for _ in range(W)]
+    mean = torch.stack(grads).mean(0)
+    chunks = list(mean.split(S))
+    res = ctx.ranks(W, f"{H}:collective_per_rank", "reduce_scatter_grad", grads, {"layer": "check"})
+    for r, got in enumerate(res.values):
+        ctx.compare(got, chunks[r], "gradient shard", rank=r, world_size=W, atol=1e-12, rtol=1e-12,
+                    detectors=[wrong_chunk], extra={"chunks": chunks})
+
+
+@ZERO3.check("FullyShardedDataParallel with your collectives, 2 ranks, transformer block, 2 AdamW steps = one process",
+             points=2)
+def _(ctx):
+    kw = dict(steps=2, seed=ctx.seed(333), return_grads=False)
+    res = ctx.ranks(2, f"{H}:train_per_rank", "fsdp", "block", "adamw", kw)
+    _compare_params(ctx, res, _single(ctx, "block", "adamw", 2, **kw), 2, "W=2, block, FSDP")
+
+
+@ZERO3.check("3 ranks (uneven shards), MLP with a tied weight, 3 SGD steps = one process", points=2)
+def _(ctx):
+    kw = dict(steps=3, seed=ctx.seed(334), return_grads=False)
+    res = ctx.ranks(3, f"{H}:train_per_rank", "fsdp", "mlp", "sgd", kw)
+    _compare_params(ctx, res, _single(ctx, "mlp", "sgd", 3, **kw), 3, "W=3, MLP, FSDP")

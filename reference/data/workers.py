@@ -1,0 +1,215 @@
+"""Rank functions the tests and ``benchmarks/data_parallel.py`` run: one training run per call.
+
+:func:`train` runs ``steps`` optimizer steps of a seeded model with one of the course's
+implementations ("ddp", "zero1", "zero2", "fsdp"), PyTorch's ("torch_ddp", "torch_zero1" =
+DistributedDataParallel + ZeroRedundancyOptimizer, "torch_fsdp" = FSDP2 ``fully_shard``), or in
+one process on the whole batch ("single", the ground truth).  Rank r's micro-batch of step s,
+micro-step m comes from :func:`batch`; the single process concatenates every rank's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import comm
+from .models import make_model
+
+__all__ = ["batch", "train", "OPTIMIZERS"]
+
+OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+              "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.1)),
+              "plain_sgd": (torch.optim.SGD, dict(lr=0.5))}     # update = −0.5·gradient: shows which shard moved
+
+
+def batch(kind: str, seed: int, step: int, micro: int, rank: int, rows: int = 2, scale: float = 1.0,
+          dtype=torch.float64, d: int | None = None, seq: int = 4):
+    """Rank ``rank``'s (x, y) for one micro-step: x ~ N(0, scale²), y ~ N(0, 1)."""
+    g = torch.Generator().manual_seed(1_000_003 * seed + 10_007 * step + 101 * micro + rank)
+    d = d or {"mlp": 6, "block": 8}[kind]
+    shape = (rows, d) if kind == "mlp" else (rows, seq, d)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype), \
+        torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _loss(model, x, y, accum: int):
+    return F.mse_loss(model(x), y) / accum
+
+
+def train(method: str, kind: str = "mlp", opt: str = "adamw", *, steps: int = 3, accum: int = 1, scale: float = 1.0,
+          seed: int = 0, world_size: int | None = None, rows: int = 2, bucket_cap_mb: float = 25.0,
+          overlap: bool = True, skip_no_sync: bool = False, dtype=torch.float64, model_kw: dict | None = None,
+          return_grads: bool = True) -> dict:
+    """Train and return {"params": {name: tensor}, "grads": first step's synced grads (by name, where
+    the method keeps whole gradients), "memory": memory_report after the last step (course methods)}."""
+    W = world_size or comm.world_size()
+    r = comm.rank()
+    model = make_model(kind, seed, dtype, **(model_kw or {}))
+    names = [n for n, _ in model.named_parameters()]
+    opt_cls, opt_kw = OPTIMIZERS[opt]
+    wrapped, optimizer, memory = model, None, None
+    if method == "ddp":
+        from .ddp import DataParallel
+        wrapped = DataParallel(model, bucket_cap_mb=bucket_cap_mb, overlap=overlap)
+    elif method in ("zero1", "zero2"):
+        from .zero import ZeroOptimizer
+        optimizer = ZeroOptimizer(model.parameters(), opt_cls, stage=int(method[-1]), **opt_kw)
+    elif method == "fsdp":
+        from .fsdp import FullyShardedDataParallel
+        wrapped = FullyShardedDataParallel(model)
+    elif method in ("torch_ddp", "torch_zero1"):
+        from torch.nn.parallel import DistributedDataParallel
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        if method == "torch_zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=opt_cls, **opt_kw)
+    elif method == "torch_fsdp":
+        import warnings
+        from torch.distributed.fsdp import fully_shard
+        warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+        for child in (["hidden", "proj"] if kind == "mlp" else ["qkv", "attn_out", "mlp"]):
+            fully_shard(getattr(model, child))
+        fully_shard(model)
+    elif method != "single":
+        raise ValueError(f"unknown method {method!r}")
+    if optimizer is None:
+        optimizer = opt_cls([p for p in wrapped.parameters() if p.requires_grad], **opt_kw)
+    grads = {}
+    for step in range(steps):
+        for m in range(accum):
+            if method == "single":
+                parts = [batch(kind, seed, step, m, q, rows, scale, dtype) for q in range(W)]
+                x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            else:
+                x, y = batch(kind, seed, step, m, r, rows, scale, dtype)
+            quiet = m < accum - 1 and not skip_no_sync and hasattr(wrapped, "no_sync")
+            if quiet:
+                with wrapped.no_sync():
+                    _loss(wrapped, x, y, accum).backward()
+            else:
+                _loss(wrapped, x, y, accum).backward()
+        if step == 0 and return_grads and method in ("ddp", "torch_ddp", "torch_zero1", "single"):
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        if step == steps - 1 and hasattr(wrapped if method == "fsdp" else optimizer, "memory_report"):
+            memory = (wrapped.memory_report(optimizer) if method == "fsdp" else optimizer.memory_report())
+        elif step == steps - 1 and method == "ddp":
+            memory = wrapped.memory_report(optimizer)
+        optimizer.zero_grad()
+    if method == "fsdp":
+        full = wrapped.full_state_dict()
+        params = {n: full[n] for n in names}
+    elif method == "torch_fsdp":
+        params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    else:
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"params": params, "grads": grads, "memory": memory}
+
+
+# ----------------------------------------------------------------------------------------------
+# Small rank functions for the failure-mode and layout tests
+
+
+def bucket_layout(bucket_cap_mb: float, kind: str = "mlp") -> list[list[str]]:
+    """The parameter names in each of DataParallel's buckets for ``make_model(kind)``."""
+    from .ddp import DataParallel
+    return [b.names for b in DataParallel(make_model(kind), bucket_cap_mb=bucket_cap_mb).buckets]
+
+
+def mismatched_model(method: str = "ddp") -> None:
+    """Rank 1 builds a wider model than the others: the wrapper must refuse on every rank."""
+    from .ddp import DataParallel
+    from .fsdp import FullyShardedDataParallel
+    from .zero import ZeroOptimizer
+    model = make_model("mlp", hidden=12 if comm.rank() == 1 else 10)
+    if method == "ddp":
+        DataParallel(model)
+    elif method == "fsdp":
+        FullyShardedDataParallel(model)
+    else:
+        ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=int(method[-1]), lr=0.1)
+
+
+def skip_backward(method: str = "ddp") -> None:
+    """Rank 1 never calls backward; the others wait for its gradients (a timeout, not a hang)."""
+    from .ddp import DataParallel
+    from .zero import ZeroOptimizer
+    model = make_model("mlp")
+    x, y = batch("mlp", 0, 0, 0, comm.rank())
+    if method == "ddp":
+        model = DataParallel(model)
+        if comm.rank() != 1:
+            F.mse_loss(model(x), y).backward()
+    else:
+        opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=int(method[-1]), lr=0.1)
+        if comm.rank() != 1:
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+
+
+class Branchy(torch.nn.Module):
+    """x → a → (b if use_b) : b gets no gradient on a rank that skips it."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.a = torch.nn.Linear(d, d)
+        self.b = torch.nn.Linear(d, d)
+
+    def forward(self, x, use_b: bool = True):
+        h = torch.tanh(self.a(x))
+        return self.b(h) if use_b else h
+
+
+def unused_on_some_ranks(bucket_cap_mb: float = 25.0) -> dict:
+    """Only rank 0 uses ``b``: DataParallel must not hang; b's grads are the mean with zeros elsewhere."""
+    from .ddp import DataParallel
+    torch.manual_seed(0)
+    model = Branchy().double()
+    ddp = DataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    x, y = batch("mlp", 0, 0, 0, comm.rank(), d=4)
+    F.mse_loss(ddp(x, use_b=comm.rank() == 0), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def time_steps(method: str, layers: int = 6, width: int = 512, rows: int = 64, steps: int = 10, warmup: int = 3,
+               bucket_cap_mb: float = 25.0) -> float:
+    """Rank worker for ``benchmarks/data_parallel.py``: seconds per training step (forward, backward,
+    AdamW step, zero_grad) of ``demos.layer_model`` in float32, median over ``steps`` after ``warmup``."""
+    import time
+
+    import torch.distributed as dist
+
+    from .demos import layer_model
+    model = layer_model(layers, width)
+    wrapped, opt = model, None
+    if method == "ddp":
+        from .ddp import DataParallel
+        wrapped = DataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    elif method in ("zero1", "zero2"):
+        from .zero import ZeroOptimizer
+        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=int(method[-1]), lr=1e-3)
+    elif method == "fsdp":
+        from .fsdp import FullyShardedDataParallel
+        wrapped = FullyShardedDataParallel(model)
+    elif method in ("torch_ddp", "torch_zero1"):
+        from torch.nn.parallel import DistributedDataParallel
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        if method == "torch_zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    elif method == "torch_fsdp":
+        from torch.distributed.fsdp import fully_shard
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    opt = opt or torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(comm.rank()))
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        F.mse_loss(wrapped(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[warmup:])[steps // 2]

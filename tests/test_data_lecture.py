@@ -1,0 +1,186 @@
+"""Lecture 3 around the reference: the timeline widget's pure state, the stubs' contract, and the
+grader naming the classic mistakes of exercises 3.1-3.4 (a mutant solution package, graded once)."""
+import inspect
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from reference.trace import Event, Trace
+from reference.widgets.buckets import draw_timeline, timeline_caption, timeline_state, timeline_stats
+
+
+def synthetic(overlap: bool = True) -> Trace:
+    """Rank 0: backward layers 2, 1, 0 over [0, 3] ms; bucket 0 posted at 1 ms (or 3 ms), done at 3.5 ms;
+    bucket 1 posted at 3 ms, done at 4 ms."""
+    ms = 1e-3
+    ev = [Event(0, "backward_start", start=0.0, end=0.0)]
+    for i, layer in enumerate((2, 1, 0)):
+        ev.append(Event(0, "compute", start=i * ms, end=(i + 1) * ms, meta={"layer": layer}))
+        ev.append(Event(0, "grad_ready", start=(i + 1) * ms, end=(i + 1) * ms, meta={"bucket": 0 if i < 1 else 1}))
+    ev.append(Event(0, "all_reduce", nbytes=64, start=(1 if overlap else 3) * ms, end=3.5 * ms, meta={"bucket": 0}))
+    ev.append(Event(0, "all_reduce", nbytes=64, start=3 * ms, end=4 * ms, meta={"bucket": 1}))
+    return Trace(ev)
+
+
+def test_stats_hidden_fraction_and_exposed_tail_from_the_intervals():
+    s = timeline_stats(synthetic())[0]
+    assert s["backward_end"] == pytest.approx(3e-3) and s["buckets"] == 2
+    assert s["comm_busy"] == pytest.approx(3e-3)               # union of [1, 3.5] and [3, 4]
+    assert s["hidden"] == pytest.approx(2e-3)                  # [1, 3] lies inside backward
+    assert s["hidden_fraction"] == pytest.approx(2 / 3) and s["exposed"] == pytest.approx(1e-3)
+    late = timeline_stats(synthetic(overlap=False))[0]
+    assert late["hidden_fraction"] == 0 and late["exposed"] == pytest.approx(1e-3)
+
+
+def test_state_clips_blocks_at_the_cursor_and_counts_what_is_in_flight():
+    st = timeline_state(synthetic(), step=11, n_steps=16)      # t = 4 ms · 12/16 = 3 ms
+    assert st["t"] == pytest.approx(3e-3)
+    assert [c["layer"] for c in st["compute"]] == [2, 1, 0] and all(c["done"] for c in st["compute"])
+    assert [c["bucket"] for c in st["comm"]] == [0, 1] and st["in_flight"] == 2
+    assert st["comm"][0]["end"] == pytest.approx(3e-3)         # clipped at the cursor
+    st = timeline_state(synthetic(), step=15, n_steps=16)
+    assert st["in_flight"] == 0 and "67% of all-reduce time hidden" in timeline_caption(st)
+    assert timeline_state(synthetic(), step=0, n_steps=16)["comm"] == []
+
+
+def test_every_frame_draws_and_an_empty_trace_says_what_to_record():
+    from reference.widgets.player import render_png
+    for step in (0, 7, 15):
+        assert render_png(draw_timeline, timeline_state(synthetic(), step, 16), dpi=30).startswith(b"\x89PNG")
+    empty = timeline_state(Trace(), 0)
+    assert "record a DataParallel backward" in timeline_caption(empty)
+    assert render_png(draw_timeline, empty, dpi=30).startswith(b"\x89PNG")
+
+
+GRADED = ["all_reduce_gradients", "assign_buckets", "grad_ready", "finish_buckets", "zero_step", "gather_full_params",
+          "reduce_scatter_grad"]
+
+
+@pytest.mark.parametrize("name", GRADED)
+def test_stub_keeps_the_reference_contract_and_raises_naming_its_exercise(name):
+    import exercises.data as stubs
+    import reference.data as ref
+    a, b = getattr(stubs, name), getattr(ref, name)
+    assert inspect.signature(a) == inspect.signature(b) and a.__doc__ == b.__doc__
+    params = inspect.signature(a).parameters.values()
+    with pytest.raises(NotImplementedError, match=r"Exercise 3\.\d"):
+        a(*[None for p in params if p.default is inspect.Parameter.empty and p.kind != p.KEYWORD_ONLY],
+          **{p.name: 1 for p in params if p.kind == p.KEYWORD_ONLY and p.default is inspect.Parameter.empty})
+
+
+# ----------------------------------------------------------------------------------------------
+# The grader names the classic mistakes
+
+MUTANT = '''
+import torch
+from reference import comm
+from reference.data.ddp import Bucket
+from reference.data.zero import shard_size
+
+
+def all_reduce_gradients(parameters, *, group=None):            # MISTAKE: a sum, never divided by N
+    for p in parameters:
+        if p.grad is not None:
+            comm.all_reduce(p.grad, group=group)
+
+
+def assign_buckets(params, bucket_cap_bytes):
+    out, filled = [], 0
+    for i, p in enumerate(params):
+        n = p.numel() * p.element_size()
+        if out and filled + n <= bucket_cap_bytes:
+            out[-1].append(i); filled += n
+        else:
+            out.append([i]); filled = n
+    return out
+
+
+def grad_ready(buckets, index, *, group=None):                  # MISTAKE: waits for each bucket at once
+    buckets[index].ready += 1
+    for b in buckets:
+        if b.work is not None:
+            continue
+        if b.ready < len(b.params):
+            break
+        b.buffer = torch.cat([p.grad.reshape(-1) for p in b.params])
+        b.work = comm.all_reduce_async(b.buffer, group=group, what="grads", bucket=b.index)
+        b.work.wait()
+
+
+def finish_buckets(buckets, *, group=None):
+    N = comm.world_size(group)
+    for b in buckets:
+        if b.work is None:
+            b.buffer = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b.params])
+            b.work = comm.all_reduce_async(b.buffer, group=group, what="grads", bucket=b.index)
+    for b in buckets:
+        flat, o = b.work.wait() / N, 0
+        for p in b.params:
+            g = flat[o:o + p.numel()].view_as(p); o += p.numel()
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+        b.ready, b.buffer, b.work = 0, None, None
+
+
+def zero_step(params, shard, optimizer, *, stage, group=None):  # MISTAKE: every rank takes rank 0's gradient slice
+    N, S = comm.world_size(group), shard.numel()
+    flat, o = shard.new_zeros(N * S), 0
+    for p in params:
+        if p.grad is not None:
+            flat[o:o + p.numel()] = p.grad.reshape(-1)
+        o += p.numel()
+    comm.all_reduce(flat, group=group)
+    flat /= N
+    shard.grad = flat[0:S].clone()
+    optimizer.step()
+    full = shard.new_empty(N * S)
+    comm.all_gather_into_tensor(full, shard.detach(), group=group)
+    with torch.no_grad():
+        o = 0
+        for p in params:
+            p.copy_(full[o:o + p.numel()].view_as(p)); o += p.numel()
+
+
+def gather_full_params(shard, *, group=None, layer=None, phase="forward"):
+    full = shard.new_empty(comm.world_size(group) * shard.numel())
+    return comm.all_gather_into_tensor(full, shard.detach(), group=group, what="params", layer=layer, phase=phase)
+
+
+def reduce_scatter_grad(flat_grad, *, group=None, layer=None):  # MISTAKE: the sum, not the mean
+    out = flat_grad.new_empty(flat_grad.numel() // comm.world_size(group))
+    return comm.reduce_scatter_tensor(out, flat_grad, group=group, what="grads", layer=layer)
+'''
+
+
+@pytest.fixture(scope="module")
+def mutant_results(tmp_path_factory):
+    from exercises.grading import core
+    root = tmp_path_factory.mktemp("mutant")
+    pkg = root / "data_mutant"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "data.py").write_text(textwrap.dedent(MUTANT))
+    sys.path.insert(0, str(root))
+    try:
+        yield {r.exercise.id: r for r in core.grade("data_mutant", ["3.1", "3.2", "3.3", "3.4"])}
+    finally:
+        sys.path.remove(str(root))
+        sys.modules.pop("data_mutant", None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ex_id,words,scored", [
+    ("3.1", "a sum where a mean belongs", False),
+    ("3.2", "a bucket waited for too early", True),            # feedback only: the 0-point check fails, points stay
+    ("3.3", "a rank updated the wrong shard", False),
+    ("3.4", "a sum where a mean belongs", False),
+])
+def test_grader_names_the_classic_mistake(mutant_results, ex_id, words, scored):
+    res = mutant_results[ex_id]
+    failed = [c.message for c in res.checks if not c.passed]
+    assert failed and any(words in m for m in failed), failed
+    assert (res.score == res.max_score) == scored
