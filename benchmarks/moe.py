@@ -79,17 +79,21 @@ def _layer(cfg: dict) -> MoELayer:
                     dropless=cfg["dropless"])
 
 
-def ours_step(cfg: dict) -> float:
-    """Rank function: seconds of one forward + backward of ExpertParallelMoE on this rank's T tokens."""
+def ours_step(cfg: dict) -> tuple[float, float, int]:
+    """Rank function: seconds (wall, CPU) of one forward + backward of ExpertParallelMoE on this
+    rank's T tokens, and the rows this rank's experts computed (counted after the clock stops)."""
     key = ("ours", tuple(sorted(cfg.items())))
     if key not in _STATE:
         _STATE[key] = ExpertParallelMoE.from_layer(_layer(cfg)), _tokens(cfg, comm.rank()).requires_grad_()
     ep, x = _STATE[key]
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     y, st = ep(x)
     (y.square().mean() + 0.01 * st["aux_loss"]).backward()
-    return time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    kept = st["kept_per_expert"].clone()
+    dist.all_reduce(kept)                                   # the group's kept assignments per expert
+    return seconds, cpu, int(kept[ep.first_expert:ep.first_expert + len(ep.experts)].sum())
 
 
 def loop_step(cfg: dict, world_size: int, threads: int) -> float:
@@ -99,11 +103,12 @@ def loop_step(cfg: dict, world_size: int, threads: int) -> float:
         _STATE[key] = _layer(cfg), [_tokens(cfg, r).requires_grad_() for r in range(world_size)]
     layer, xs = _STATE[key]
     torch.set_num_threads(threads)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = [layer(x) for x in xs]
     sum(y.square().mean() + 0.01 * st["aux_loss"] for y, st in outs).backward()
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     torch.set_num_threads(1)
+    _STATE.setdefault(("cpu", threads), []).append(cpu)
     return seconds
 
 
@@ -202,27 +207,43 @@ def throughput(world, cfg: dict, reps: int, peer: bool) -> list[dict]:
     if peer:
         modes.append(("cf=1 (peer's C)", dict(cfg, dropless=False, capacity_factor=1.0)))
     for name, c in modes:
-        contenders = {"ours": lambda c=c: slowest(world.run(ours_step, c, timeout=900).values),
+        rows_per_rank = [rows for _, _, rows in world.run(ours_step, c, timeout=900).values]   # warm-up
+        ours_cpu = []
+
+        def ours(c=c):
+            vals = world.run(ours_step, c, timeout=900).values
+            ours_cpu.append(sum(cpu for _, cpu, _ in vals))
+            return slowest(s for s, _, _ in vals)
+
+        contenders = {"ours": ours,
                       "loop W threads": lambda c=c: loop_step(c, W, W),
                       "loop 1 thread": lambda c=c: loop_step(c, W, 1)}
         if name.startswith("cf=1"):
             contenders = {"ours": contenders["ours"], "loop W threads": contenders["loop W threads"],
                           "fairscale": lambda c=c: slowest(world.run(peer_step, c, timeout=900).values)}
-        for f in contenders.values():                   # warm-up: build, first-touch allocations
-            f()
+        for k, f in contenders.items():                 # warm-up: build, first-touch allocations
+            if k != "ours":                             # (ours warmed up above)
+                f()
         times = {k: [] for k in contenders}
         for _ in range(reps):
             for k, f in contenders.items():
                 times[k].append(f())
         med = {k: statistics.median(v) for k, v in times.items()}
+        loop_cpu = _STATE.get(("cpu", 1), [])[1:]          # 1-thread loop, warm-up left out
         sent = 2 * c["tokens"] if c["dropless"] else c["num_experts"] * expert_capacity(
             c["tokens"], c["num_experts"], 2, c["capacity_factor"])
         gloo = statistics.median(slowest(world.run(gloo_step, c, sent).values) for _ in range(reps))
         world.run(clear_state)
         clear_state()
         ours = med["ours"]
-        print(f"   {name:16s} ours {W} ranks × 1 thread      : {n / ours:9.0f} tok/s   "
-              f"(gloo alone: {gloo * 1e3:6.1f} ms of {ours * 1e3:7.1f} ms per step = {gloo / ours:5.1%})")
+        busiest = max(rows_per_rank) / statistics.mean(rows_per_rank)
+        print(f"   {name:16s} {f'ours, {W} ranks × 1 thread':31s}: {n / ours:9.0f} tok/s   "
+              f"(gloo alone: {gloo * 1e3:6.1f} ms of {ours * 1e3:7.1f} ms per step = {gloo / ours:5.1%}; "
+              f"busiest rank computes {busiest - 1:5.1%} more rows than the mean)")
+        if loop_cpu:
+            print(f"   {name:16s} CPU time, ours summed over ranks ÷ loop on 1 thread = "
+                  f"{statistics.median(ours_cpu) / statistics.median(loop_cpu):5.2f}×  (the work EP adds, "
+                  f"robust to load; ≈ 1 + what the {W} ranks do beyond the loop)")
         for k, v in med.items():
             if k != "ours":
                 label = {"loop W threads": f"one process, loop, {W} threads",
@@ -305,8 +326,9 @@ def main(argv=None) -> None:
     with World(args.ranks, timeout=900, echo=True, record=False) as world:   # no trace: time the layer only
         for size in sizes:
             throughput(world, size, reps, peer)
-    print("\n   gloo alone = the same collectives, same sizes, no computation: what is gloo's; the rest of"
-          " 'ours' is computation (the experts' matmuls dominate) and waiting for the slower rank")
+    print("\n   gloo alone = the same collectives, same sizes, no computation: what is gloo's.  The rest of 'ours'"
+          " is computation (the experts' matmuls dominate) and waiting for the busiest rank: routing decides how"
+          " many rows each rank's experts get, while one process splits every matmul evenly over its threads")
     sparse_scaling(args)
 
 
