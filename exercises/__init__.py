@@ -2,7 +2,7 @@
 
 Each module here mirrors one in ``reference/``: the same functions, signatures and docstrings,
 with bodies for you to write.  Grade in a notebook with ``check("0.1")`` or in a terminal with
-``python -m exercises.grade 0.1``.
+``python -m exercises.grade 0.1``.  Stuck?  ``hint("0.1")`` gives the next hint, a little more each time.
 """
 from __future__ import annotations
 
@@ -16,7 +16,65 @@ def check(*ids: str, solutions: str = "exercises", timeout: float = 60.0):
     from .grading import core, report
 
     results = core.grade(solutions, list(ids) or None, timeout=timeout)
+    if solutions == "exercises":   # demos replay the learner's own run once its exercise passes
+        from reference import recorded
+        recorded.note_passed([r.exercise.id for r in results if r.score == r.max_score],
+                             [r.exercise.id for r in results if r.score < r.max_score])
     return _Summary(results, report)
+
+
+_SEEN: dict[str, int] = {}     # exercise id -> hint tiers shown so far (the stub's error is tier 1)
+
+
+def hints() -> dict[str, list[str]]:
+    """Every exercise's hints, in tiers: the ``HINTS`` dicts of the check modules."""
+    import importlib
+
+    from .grading import core
+    out: dict[str, list[str]] = {}
+    for name in core.CHECK_MODULES:
+        try:
+            out.update(getattr(importlib.import_module(name), "HINTS", {}))
+        except ModuleNotFoundError:
+            continue
+    return out
+
+
+def hint(exercise_id: str, tier: int | None = None) -> "_Hint":
+    """The next hint for an exercise (``hint("5a.3")``): tier 2 on the first call — tier 1 is the
+    message your stub raises — then tier 3, ...; ``tier=`` shows one tier again."""
+    tiers = hints().get(exercise_id)
+    if not tiers:
+        known = ", ".join(sorted(hints()))
+        raise ValueError(f"no hints for exercise {exercise_id!r}; exercises with hints: {known}")
+    if tier is None:
+        tier = min(_SEEN.get(exercise_id, 1) + 1, len(tiers))
+    if not 1 <= tier <= len(tiers):
+        raise ValueError(f"exercise {exercise_id} has hint tiers 1-{len(tiers)}, not {tier}")
+    _SEEN[exercise_id] = max(_SEEN.get(exercise_id, 1), tier)
+    return _Hint(exercise_id, tier, len(tiers), tiers[tier - 1], _SEEN[exercise_id] + 1)
+
+
+class _Hint(str):
+    def __new__(cls, exercise_id: str, tier: int, n: int, text: str, following: int):
+        more = (f" (hint(\"{exercise_id}\") again for hint {following})" if following <= n else " (the last one)")
+        obj = super().__new__(cls, f"Exercise {exercise_id}, hint {tier} of {n}{more}:\n{text}")
+        obj.exercise_id, obj.tier, obj.n = exercise_id, tier, n
+        return obj
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _next_hint_line(results) -> str:
+    """For each exercise that did not pass, which hint comes next."""
+    all_hints, lines = hints(), []
+    for r in results:
+        tiers = all_hints.get(r.exercise.id)
+        if r.score < r.max_score and tiers:
+            nxt = min(_SEEN.get(r.exercise.id, 1) + 1, len(tiers))
+            lines.append(f"Stuck on {r.exercise.id}? hint(\"{r.exercise.id}\") shows hint {nxt} of {len(tiers)}.")
+    return "\n".join(lines)
 
 
 class _Summary:
@@ -32,7 +90,11 @@ class _Summary:
         return sum(r.max_score for r in self.results)
 
     def __repr__(self) -> str:
-        return self._report.summary_text(self.results)
+        more = _next_hint_line(self.results)
+        return self._report.summary_text(self.results) + ("\n" + more if more else "")
 
     def _repr_html_(self) -> str:
-        return self._report.summary_html(self.results)
+        import html
+        more = _next_hint_line(self.results)
+        return self._report.summary_html(self.results) + (f"<p>{html.escape(more)}</p>".replace("\n", "<br>")
+                                                           if more else "")

@@ -22,10 +22,9 @@ def ring_reduce_scatter(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
     ``sum_ranks(tensor).flatten()`` (chunks as :func:`chunk_bounds`).  Bytes sent: (N-1)/N · n.
     """
     raise NotImplementedError(
-        "Exercise 0.1 (first half): ring reduce-scatter. Hints: cut tensor.flatten() into N chunks with "
-        "torch.tensor_split (clone them: you will add into them); for s in 0..N-2 send chunk (r - s) % N to "
-        "the next rank and add the chunk (r - s - 1) % N received from the previous one, posting both at once "
-        "with comm.exchange([(chunk, nxt)], [(buffer, prv)]).wait(). Return chunk (r + 1) % N.")
+        'Exercise 0.1 (ring_reduce_scatter): A ring all-reduce is a reduce-scatter (N-1 steps: send a chunk '
+        'right, add the one from the left) followed by an all-gather (N-1 steps: pass finished chunks round).'
+        ' Post each step\'s send and receive together. More help: hint("0.1").')
 
 
 def ring_all_reduce(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
@@ -36,9 +35,9 @@ def ring_all_reduce(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
     Bytes sent per rank: 2·(N-1)/N · tensor.nbytes (exactly, when N divides numel).
     """
     raise NotImplementedError(
-        "Exercise 0.1: ring all-reduce. Hints: a ring reduce-scatter (above) leaves rank r with the complete "
-        "sum of chunk (r + 1) % N; a ring all-gather (exercise 0.2) hands the complete chunks round until "
-        "everyone has all of them. With one rank, return a copy. Keep the input unchanged and the shape.")
+        'Exercise 0.1 (ring_all_reduce): A ring all-reduce is a reduce-scatter (N-1 steps: send a chunk '
+        'right, add the one from the left) followed by an all-gather (N-1 steps: pass finished chunks round).'
+        ' Post each step\'s send and receive together. More help: hint("0.1").')
 
 
 def ring_all_gather(chunk: torch.Tensor, numel: int, *, group=None) -> torch.Tensor:
@@ -48,6 +47,6 @@ def ring_all_gather(chunk: torch.Tensor, numel: int, *, group=None) -> torch.Ten
     Returns the whole flat tensor (``numel`` elements) on every rank.  Bytes sent: (N-1)/N · n.
     """
     raise NotImplementedError(
-        "Exercise 0.2: ring all-gather. Hints: make N empty chunk buffers of the sizes chunk_bounds(numel, N) "
-        "gives, put yours at index (r + 1) % N, then for N-1 steps send the chunk you got last to the "
-        "next rank and receive the next one from the previous rank.")
+        'Exercise 0.2 (ring_all_gather): An all-gather on a ring: each rank starts with one finished chunk '
+        'and, for N-1 steps, passes the chunk it got last to the next rank while receiving a new one from the'
+        ' previous rank. More help: hint("0.2").')

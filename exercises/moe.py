@@ -45,13 +45,9 @@ def top_k_gating(logits: torch.Tensor, k: int, capacity: int | None) -> dict[str
     (j=0, t=0), (j=0, t=1), ..., (j=0, t=T-1), (j=1, t=0), ...; it is kept if slot < capacity.
     """
     raise NotImplementedError(
-        "Exercise 5b.1: top-k gating. Hints: (1) probs = softmax over ALL E experts of "
-        "logits.to(router_dtype(logits.dtype)); (2) probs.topk(k) gives the choices, most probable first; "
-        "(3) k = 1: the weight is the raw probability; k >= 2: divide the k probabilities by their sum "
-        "(before any dropping); (4) slots: one_hot(expert_index, E) is (T, k, E); put it in priority order "
-        "choice-major (.transpose(0, 1).reshape(k*T, E)), a cumsum down that order counts how many "
-        "assignments to the same expert came before; (5) kept = slot < capacity (all kept if capacity is "
-        "None); slot = -1 where dropped.")
+        'Exercise 5b.1 (top_k_gating): Softmax over ALL experts first (in router_dtype), then top-k. Slots: '
+        'first choices of every token come before any second choice; an assignment whose slot reaches the '
+        'capacity is dropped. More help: hint("5b.1").')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,19 +80,16 @@ def load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor, num_exp
     Gradient across ranks.  Each rank then back-propagates its own copy of this global value.  The
     all-reduced probability sum is built as ``local + (global - local).detach()``: its value is the
     group's, its gradient reaches only this rank's own tokens, ∂L/∂p_{t,i} = E·f_i / T_group for
-    t on this rank.  Summing the router's gradient over the ranks (what the expert-parallel group
-    does for a replicated router) therefore counts the loss exactly once.  A differentiable
-    all-reduce (backward = all-reduce) would count it W times.  If the router's gradients are
-    instead AVERAGED over N data-parallel ranks (:func:`reference.moe.sync_moe_gradients`), the loss
-    acts with weight 1/EP-size: scale α by the expert-parallel size to keep Switch's α.
+    t on this rank.  Summed over the ranks, the router's gradients count the loss exactly once; a
+    differentiable all-reduce (backward = all-reduce) would count it W times.  Training AVERAGES
+    gradients over the ranks (:func:`reference.moe.sync_moe_gradients`), which would weaken the
+    loss to α/W: the expert-parallel layer therefore scales this gradient by W
+    (:func:`reference.moe.parallel.mean_share`; lecture 5b, "the balance loss under data parallelism").
     """
     raise NotImplementedError(
-        "Exercise 5b.2: load-balancing loss. Hints: counts = one_hot(expert_index, E).sum over tokens and "
-        "choices; prob_sum = probs.sum(0); T = number of tokens. With a group of more than one rank, "
-        "all-reduce [counts, prob_sum.detach(), T] in ONE tensor (comm.all_reduce) — the loss is a product "
-        "of two means, so a mean of per-rank losses is wrong. Keep the gradient local: "
-        "prob_sum + (global_prob_sum - prob_sum).detach(). Then f = counts / (k·T), P = prob_sum / T, "
-        "loss = E · (f · P).sum().")
+        'Exercise 5b.2 (load_balancing_loss): E · Σ_i f_i · P_i with f from the counts of all k choices (a '
+        'constant) and P the mean probability (carries the gradient). With a group, every rank must return '
+        'the loss of the WHOLE batch. More help: hint("5b.2").')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,13 +104,9 @@ def dispatch(x: torch.Tensor, routing: dict, num_experts: int, capacity: int, gr
     token was assigned).
     """
     raise NotImplementedError(
-        "Exercise 5b.3: dispatch. Hints: W = comm.world_size(group), E_local = E // W; expert e lives on rank "
-        "e // E_local. (1) Build a zero (E·C, d) buffer and put x[t] at row e·C + slot for every KEPT "
-        "assignment (t, j) (torch.nonzero(routing['kept']), index_add keeps it differentiable). (2) Rows "
-        "r·E_local·C ... of that buffer belong to rank r: an equal-split all-to-all of the rows sends them "
-        "there; it must be differentiable (its backward is the all-to-all of the gradient, splits swapped; "
-        "with one process it is a copy). (3) What arrives is (W, E_local, C, d) in source order: "
-        "reorder to (E_local, W·C, d).")
+        'Exercise 5b.3 (dispatch): dispatch: put each kept assignment in a zero buffer of E·C rows at row e·C'
+        ' + slot; rows of the experts on rank w form block w; one all-to-all delivers them. combine undoes it'
+        ' and mixes with the combine weights. More help: hint("5b.3").')
 
 
 def combine(expert_out: torch.Tensor, routing: dict, num_experts: int, capacity: int, group=None) -> torch.Tensor:
@@ -127,11 +116,9 @@ def combine(expert_out: torch.Tensor, routing: dict, num_experts: int, capacity:
     ``y_t = Σ_j w_tj · out[e_tj, slot_tj]`` over kept assignments; dropped ones contribute 0.
     """
     raise NotImplementedError(
-        "Exercise 5b.3: combine. Hints: undo dispatch's layout — (E_local, W·C, d) → (W, E_local, C, d) → "
-        "(W·E_local·C, d) rows, all-to-all them back (the same differentiable all-to-all as dispatch); now "
-        "row e·C + slot holds the output for your assignment (t, j) to expert e. Then "
-        "y = zeros(T, d).index_add(0, t, w_tj · rows) over KEPT assignments only — a slot of -1 would "
-        "index the last row.")
+        'Exercise 5b.3 (combine): dispatch: put each kept assignment in a zero buffer of E·C rows at row e·C '
+        '+ slot; rows of the experts on rank w form block w; one all-to-all delivers them. combine undoes it '
+        'and mixes with the combine weights. More help: hint("5b.3").')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,8 +136,6 @@ def sync_moe_gradients(dense_params: Iterable[torch.Tensor], expert_params: Iter
     Parameters without a gradient are skipped (the same ones on every rank).
     """
     raise NotImplementedError(
-        "Exercise 5b.4: sync_moe_gradients. Hints: N = comm.world_size(dp_group). Dense parameters: "
-        "all-reduce p.grad over dp_group, divide by N. Expert parameters: all-reduce p.grad over "
-        "expert_dp_group — the all-to-all already summed the whole EP group's tokens into each expert's "
-        "gradient — and divide by N too, NOT by the size of expert_dp_group. Skip parameters whose grad is "
-        "None; work in place.")
+        "Exercise 5b.4 (sync_moe_gradients): The objective is the mean of the ranks' losses. Dense parameters"
+        ' are replicated on every rank of dp_group; each expert on the ranks of expert_dp_group. What did the'
+        ' all-to-all already sum into an expert\'s gradient? More help: hint("5b.4").')

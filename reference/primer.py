@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives, comm
+from .recorded import live_world, recordable
 
 
 def hello() -> str:
@@ -63,3 +64,49 @@ def all_to_all(rows_per_peer: int) -> torch.Tensor:
     recv = torch.empty_like(send)
     comm.all_to_all_single(recv, send)
     return recv
+
+
+def gather_to_one_all_reduce(numel: int) -> torch.Tensor:
+    """The simple all-reduce: every rank sends its tensor to rank 0, rank 0 adds them up and sends
+    the sum back to each.  Rank 0's link carries (N−1)·n bytes out and (N−1)·n in."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    x = torch.arange(numel, dtype=torch.float32) * (r + 1)
+    if r == 0:
+        buf = torch.empty_like(x)
+        for src in range(1, n):
+            x += comm.recv(buf, src, step=0)
+        for dst in range(1, n):
+            comm.send(x, dst, step=1)
+    else:
+        comm.send(x, 0, step=0)
+        comm.recv(x, 0, step=1)
+    return x
+
+
+# ----------------------------------------------------------------------------------------------
+# The notebook's demos: recorded from the reference for the student release (reference.recorded)
+
+
+@recordable("00.ring_all_reduce", needs=("0.1",), ignore=("worlds",))
+def ring_all_reduce_run(n: int = 4, numel: int = 16, worlds: dict | None = None) -> dict:
+    """One ring all-reduce on ``n`` ranks: its trace (for the widget) and rank 0's result."""
+    with live_world(n, worlds) as w:
+        res = w.run(ring_all_reduce, numel)
+    return {"trace": res.trace, "result": res.values[0], "n": n, "numel": numel}
+
+
+@recordable("00.bytes_per_collective", needs=("0.1", "0.2"), ignore=("worlds",))
+def bytes_per_collective(numel: int = 12 * 1024, sizes: tuple = (2, 3, 4), worlds: dict | None = None) -> dict:
+    """Bytes sent and received per rank, measured from traces, for the ring all-reduce, the
+    gather-to-one all-reduce and the ring all-gather of ``numel`` float32 on each world size."""
+    rows = []
+    for n in sizes:
+        with live_world(n, worlds) as w:
+            ring = w.run(ring_all_reduce, numel).trace
+            naive = w.run(gather_to_one_all_reduce, numel).trace
+            gather = w.run(ring_all_gather, numel).trace
+        rows.append({"N": n,
+                     "ring_sent": ring.bytes_by_rank("send"), "ring_recv": ring.bytes_by_rank("recv"),
+                     "one_sent": naive.bytes_by_rank("send"), "one_recv": naive.bytes_by_rank("recv"),
+                     "gather_sent": gather.bytes_by_rank("send")})
+    return {"numel": numel, "bytes": numel * 4, "rows": rows}

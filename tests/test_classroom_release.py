@@ -115,11 +115,28 @@ def test_release_grader_gives_a_finished_learner_full_marks_from_recorded_answer
 
 
 RELEASE_NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+NEEDS_SOLUTION = "needs your solution"      # what reference.course.needs prints when a cell hits a stub
+
+
+def explains(cell) -> bool:
+    """A cell the lecture uses to explain (not to grade): not a ``check(...)`` call and not tagged
+    ``exercise`` (a cell that runs the learner's own code on purpose, e.g. "replay your run")."""
+    if cell.cell_type != "code" or "exercise" in cell.get("metadata", {}).get("tags", []):
+        return False
+    return not re.search(r"^\s*(\w+\s*=\s*)?check\(", cell.source, re.M)
+
+
+def cell_text(cell) -> str:
+    return "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in cell.get("outputs", []))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", RELEASE_NOTEBOOKS)
-def test_release_notebook_runs_and_asks_for_exercises_instead_of_failing(built, name, monkeypatch):
+def test_release_notebook_explains_with_stubs_untouched_and_asks_for_exercises_instead_of_failing(
+        built, name, monkeypatch):
+    """Every release notebook runs with the stubs as shipped.  No explaining cell may say that a
+    solution is needed: widgets and measurements show what the reference recorded when the release
+    was built.  Grading cells say "not implemented"."""
     nb = built / "notebooks" / name
     import nbformat
     from nbclient import NotebookClient
@@ -129,9 +146,21 @@ def test_release_notebook_runs_and_asks_for_exercises_instead_of_failing(built, 
     book.cells.append(nbformat.v4.new_code_cell("import reference, exercises\n"
                                                 "print('IMPORTED', reference.__file__, exercises.__file__)"))
     NotebookClient(book, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(nb.parent)}}).execute()
-    text = "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "")
-                   for c in book.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    text = "".join(cell_text(c) for c in book.cells if c.cell_type == "code")
     imported = [ln for ln in text.splitlines() if ln.startswith("IMPORTED")][-1].split()[1:]
     assert all(path.startswith(str(built)) for path in imported), imported
+    silenced = [f"cell {i}: {c.source.splitlines()[0][:80]!r} printed {cell_text(c).strip()[:200]!r}"
+                for i, c in enumerate(book.cells) if explains(c) and NEEDS_SOLUTION in cell_text(c)]
+    assert not silenced, "explaining cells that wait for a solution in the release:\n" + "\n".join(silenced)
     if re.search(r"^check\(", "\n".join(c.source for c in book.cells), re.M):   # a notebook that grades
-        assert "needs your solution to exercise" in text or "not implemented yet" in text
+        assert "not implemented" in text
+
+
+def test_explaining_cells_are_told_from_grading_cells():
+    import nbformat
+    assert explains(nbformat.v4.new_code_cell("run = demos.ring_runs()"))
+    assert not explains(nbformat.v4.new_code_cell('from exercises import check\ncheck("5a.1")'))
+    assert not explains(nbformat.v4.new_code_cell('summary = check("0.1")'))
+    tagged = nbformat.v4.new_code_cell("worlds[4].run(primer.ring_all_reduce, 16, 'exercises.collectives')")
+    tagged.metadata["tags"] = ["exercise"]
+    assert not explains(tagged) and not explains(nbformat.v4.new_markdown_cell("check('0.1')"))

@@ -257,6 +257,17 @@ def test_grad_sync_detector_names_the_expert_parallel_size():
     assert checks.off_by_ep_size(_mm("expert gradient 0", want, want, world_size=4, ep=2)) is None
 
 
+def test_grad_sync_check_data_carries_the_balance_loss_and_a_summed_router_gradient_is_named():
+    data = ep_dp_local_grads(4, 2, seed=41)
+    plain = ep_dp_local_grads(4, 2, seed=41, c_aux=0.0, c_z=0.0)
+    assert (data["want_dense"][0] - plain["want_dense"][0]).abs().max() > 1e-3   # aux + z reach the router
+    want = data["want_dense"][0]
+    summed = sum(data["dense"][r][0] for r in range(4))
+    msg = checks.dense_not_averaged(_mm("dense (router) gradient 0", summed, want, world_size=4))
+    assert "N = 4×" in msg and "MEAN" in msg
+    assert checks.dense_not_averaged(_mm("dense (router) gradient 0", want, want, world_size=4)) is None
+
+
 # ----------------------------------------------------------------------------------------------
 # The grader, end to end
 

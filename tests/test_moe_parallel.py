@@ -2,8 +2,9 @@
 
 Every case runs forward AND backward of ExpertParallelMoE on W ranks (1, 2, 4) with 8 experts
 and compares, in float64 at 1e-10, with the single-process layer applied to each rank's tokens:
-outputs, input gradients, router gradients summed over ranks, every expert's gradients, the
-group-wide aux loss and the z-loss.  The objective mixes all three: <g, y> + c_aux·aux + c_z·z.
+outputs, input gradients, router gradients averaged over ranks, every expert's gradients, the
+group-wide aux loss and the z-loss.  The objective mixes all three: the mean over ranks of
+<g_r, y_r> + c_aux·aux + c_z·z_r.  The EP × DP section runs whole training steps.
 """
 import pytest
 import torch
@@ -72,7 +73,7 @@ def test_expert_parallel_outputs_and_gradients_equal_single_process(results, W, 
         for i, grads in enumerate(v["expert_grads"]):
             for a, b in zip(grads, t["expert_grads"][v["first_expert"] + i]):
                 close(a, b, f"expert {v['first_expert'] + i} gradient on rank {r}")
-    close(sum(v["router_grad"] for v in vals), vals[0]["truth"]["router_grad"], "router gradient summed over ranks")
+        close(v["router_grad"], t["router_grad"], f"rank {r} router gradient averaged over ranks")
     # the case tests what its name says: drops happen, or none do
     dropped = sum(v["dropped"] for v in vals)
     assert (dropped > 0) == CASES[name][1], f"dropped={dropped}"
@@ -185,18 +186,62 @@ def test_bad_input_on_one_rank_raises_value_error_on_every_rank(worlds):
 
 
 # ------------------------------------------------------------------------------------------------
-# EP × DP: 4 ranks, EP groups {0,1} {2,3}, expert-data-parallel groups {0,2} {1,3}, dp = world
+# EP × DP: one training step.  EP groups of consecutive ranks, expert-data-parallel groups
+# {q, q+EP, ...}, dp = the world.  Truth: the single-process layer's gradients of
+# mean task loss + α·aux + β·z-loss over the whole batch (float64, 1e-10).
+
+STEP = dict(num_experts=8, k=2, capacity_factor=1.0, tokens=8, d_model=4, d_ff=6, scale=3.0, c_aux=0.5, c_z=0.05)
+
+
+def run_step(worlds, N, cfg):
+    """Run one step on N ranks; the 8-rank world is started for its one call and closed at once."""
+    if N <= 4:
+        return worlds(N).run(workers.ep_dp_grad_sync, cfg)
+    with World(N, timeout=90, echo=False) as w:
+        return w.run(workers.ep_dp_grad_sync, cfg)
+
+
+def assert_step_matches(vals, what=""):
+    for r, v in enumerate(vals):
+        close(v["y"], v["truth_y"], f"{what}rank {r} output")
+        close(v["router_grad"], v["truth_router"], f"{what}rank {r} router gradient")
+        for i, (got, want) in enumerate(zip(v["expert_grads"], v["truth_experts"])):
+            for a, b in zip(got, want):
+                close(a, b, f"{what}rank {r} local expert {i} gradient")
+
+
+@pytest.mark.parametrize("ep,dp", [(2, 1), (2, 2), (4, 1), (4, 2)])
+def test_ep_dp_step_gives_single_process_gradients_of_mean_task_plus_aux_plus_z(worlds, ep, dp):
+    res = run_step(worlds, ep * dp, dict(STEP, ep_size=ep, aux="global"))
+    assert_step_matches(res.values, f"EP={ep} DP={dp}: ")
+    for v in res.values:   # the balance loss is the whole batch's, on every rank
+        assert abs(v["aux"] - v["truth_aux"]) < 1e-12
+
+
+@pytest.mark.parametrize("kind", ["ep", "local"])
+def test_ep_dp_step_with_per_ep_group_or_per_routing_group_balance_loss(worlds, kind):
+    res = worlds(4).run(workers.ep_dp_grad_sync, dict(STEP, ep_size=2, aux=kind))
+    assert_step_matches(res.values, f"aux over {kind}: ")
+
+
+@pytest.mark.parametrize("ep,dp", [(2, 2), (4, 1)])
+def test_back_propagating_the_bare_balance_loss_weakens_it_to_alpha_over_group_size(worlds, ep, dp):
+    """The bug the layer avoids: with only the balance loss (no task, no z), the router gradient of a
+    step that back-propagates load_balancing_loss as it is comes out exactly 1/N of the truth."""
+    cfg = dict(STEP, ep_size=ep, aux="global", c_task=0.0, c_z=0.0)
+    vals = worlds(ep * dp).run(workers.ep_dp_grad_sync, dict(cfg, naive_aux=True)).values
+    N = ep * dp
+    for r, v in enumerate(vals):
+        assert v["truth_router"].abs().max() > 1e-3           # the aux gradient is not negligible
+        close(v["router_grad"], v["truth_router"] / N, f"rank {r}: naive router gradient = truth / N")
+    assert_step_matches(worlds(ep * dp).run(workers.ep_dp_grad_sync, cfg).values, "aux only: ")
 
 
 @pytest.mark.parametrize("cfg", [dict(num_experts=8, k=2, capacity_factor=1.0),
                                  dict(num_experts=4, k=1, dropless=True)])
 def test_ep_dp_gradients_equal_single_process_mean_of_rank_losses(worlds, cfg):
     res = worlds(4).run(workers.ep_dp_grad_sync, cfg, "dp")
-    for r, v in enumerate(res.values):
-        close(v["router_grad"], v["truth_router"], f"rank {r} router gradient")
-        for i, (got, want) in enumerate(zip(v["expert_grads"], v["truth_experts"])):
-            for a, b in zip(got, want):
-                close(a, b, f"rank {r} local expert {i} gradient")
+    assert_step_matches(res.values)
 
 
 def test_dividing_expert_gradients_by_the_expert_dp_size_is_off_by_the_ep_size(worlds):

@@ -78,7 +78,7 @@ EXERCISES: dict[str, Exercise] = {}
 DEFAULT_TIMEOUT = float(os.environ.get("GRADER_TIMEOUT", "60"))   # seconds per check, at most
 START_ALLOWANCE = 30.0   # seconds a runner may take to start its ranks, on top of a check's limit
 CHECK_MODULES = ["exercises.grading.checks.collectives", "exercises.grading.checks.sequence",
-                 "exercises.grading.checks.moe"]
+                 "exercises.grading.checks.moe", "exercises.grading.checks.tensor"]
 HIDDEN_MODULES = ["exercises.grading.hidden"]   # teachers' checks; left out of the student release
 
 
@@ -321,6 +321,28 @@ def load_oracle_answers(path: str | None = None) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
+# Fresh inputs: seeds salted with a secret only the grading side knows
+
+_SALT: bytes | None = None
+
+
+def fresh_inputs(secret: bytes | None = None) -> None:
+    """From now on :meth:`Context.seed` mixes every seed with ``secret`` (default: 32 random
+    bytes).  The autograder calls this before grading; ground truth must then be computed live
+    from the full reference (recorded answers cannot cover inputs drawn from a secret)."""
+    global _SALT
+    _SALT = secret if secret is not None else os.urandom(32)
+
+
+def salted_seed(n: int) -> int:
+    """``n`` itself, or (after :func:`fresh_inputs`) a 63-bit seed derived from the secret and ``n``."""
+    if _SALT is None:
+        return int(n)
+    import hashlib
+    return int.from_bytes(hashlib.sha256(_SALT + str(int(n)).encode()).digest()[:8], "little") >> 1
+
+
+# ----------------------------------------------------------------------------------------------
 # What a check sees
 
 
@@ -337,6 +359,18 @@ class Context:
     def module(self) -> str:
         """Dotted name of the learner module the exercise lives in, e.g. ``exercises.collectives``."""
         return f"{self.solutions}.{self.exercise.module}"
+
+    # -- inputs ----------------------------------------------------------------------------------
+
+    def seed(self, n: int) -> int:
+        """The seed to draw a check's inputs from: ``torch.Generator().manual_seed(ctx.seed(7))``.
+
+        Every check draws its random inputs through this.  Graded locally it returns ``n`` itself
+        (so the student release's recorded answers match); in the autograder (``--fresh-inputs``)
+        it mixes ``n`` with a secret drawn when grading starts, so every submission is graded on
+        inputs nobody has seen before and a table of recorded answers earns nothing.
+        """
+        return salted_seed(n)
 
     # -- running learner code -----------------------------------------------------------------
 

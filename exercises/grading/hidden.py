@@ -41,3 +41,28 @@ if "0.2" in EXERCISES:
         res = ctx.ranks(3, f"{H}:call_per_rank", "ring_all_gather", args)
         for r in range(3):
             ctx.compare(res.values[r], full, "gathered tensor", rank=r, world_size=3, atol=0, rtol=0)
+
+
+if "4.1" in EXERCISES:
+    from .checks import tensor as _tensor
+
+    @hidden_check("4.1", "f and g on 4 ranks")
+    def _(ctx):
+        for which in ("f", "g"):
+            _tensor._fg(ctx, which, 4, 401)
+
+
+if "4.2" in EXERCISES:
+    from .checks import tensor as _tensor
+
+    @hidden_check("4.2", "parallel MLP on 4 ranks in float32, inputs ×30")
+    def _(ctx):
+        _tensor._mlp(ctx, 4, 402, scale=30.0, dtype=torch.float32, tol=2e-4)
+
+
+if "4.3" in EXERCISES:
+    from .checks import tensor as _tensor
+
+    @hidden_check("4.3", "4 ranks, float64 logits ×30 with a +100 token, targets at every shard edge")
+    def _(ctx):
+        _tensor._xent(ctx, 4, 403, 30.0)

@@ -39,7 +39,7 @@ NAME = "splitting-the-work"
 STUDENT_PATHS = ["notebooks", "reference", "exercises", "scripts", "pyproject.toml", "README.md",
                  "environment.yml", "Makefile", "LICENSE"]
 AUTOGRADER_PATHS = ["reference", "exercises", "scripts", "pyproject.toml", "README.md"]
-NEVER = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache", "oracle_answers.pt"}
+NEVER = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache", "oracle_answers.pt", "_recorded", ".progress.json"}
 STUDENT_LEAVE_OUT = {"exercises/grading/hidden.py", "exercises/grading/release.py"}
 
 
@@ -168,14 +168,17 @@ def build_student(out: Path, ids=None, *, make_zip: bool = True, timeout: float 
     _copy_tree(STUDENT_PATHS, dest, STUDENT_LEAVE_OUT)
     stripped = strip_solutions(dest, registry)
     torch.save(answers, dest / "exercises" / "grading" / "oracle_answers.pt")
+    from reference import recorded
+    demos = recorded.record_all(dest / "reference" / "_recorded", progress=None)
     (dest / "RELEASE.txt").write_text(
         f"{NAME}: student release built {time.strftime('%Y-%m-%d %H:%M')}.\n"
         f"Exercises: {', '.join(registry)}.\nFunctions you write (their reference bodies are not here):\n"
         + "".join(f"  {i}  {f}: {n}\n" for i, f, n in stripped)
-        + f"Reference answers recorded for the grader: {len(answers)}.\n")
+        + f"Reference answers recorded for the grader: {len(answers)}.\n"
+        + f"Notebook demos recorded from the reference (reference/_recorded): {demos}.\n")
     if make_zip:
         _zip(dest, out / f"{NAME}.zip", prefix=NAME)
-    print(f"student release: {dest} ({len(stripped)} graded functions delegated, {len(answers)} oracle answers; "
+    print(f"student release: {dest} ({len(stripped)} graded functions delegated, {len(answers)} oracle answers, {demos} recorded demos; "
           f"reference graded in {graded:.1f} s)")
     return dest
 

@@ -66,7 +66,8 @@ from .. import comm, trace
 from .layer import MoELayer, emit_route, route
 from .routing import expert_capacity, load_balancing_loss, router_z_loss
 
-__all__ = ["all_to_all", "dispatch", "combine", "dispatch_dropless", "combine_dropless", "ExpertParallelMoE"]
+__all__ = ["all_to_all", "dispatch", "combine", "dispatch_dropless", "combine_dropless", "ExpertParallelMoE",
+           "mean_share"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,16 +222,44 @@ def _world_if_none(group):
     return group if group is not None or not dist.is_initialized() else dist.group.WORLD
 
 
+def mean_share(loss: torch.Tensor, ranks: int) -> torch.Tensor:
+    """``loss``'s value, ``ranks`` × its gradient: a group-wide loss as one rank's share of a mean.
+
+    If every rank holds the same value L of a loss whose gradient reaches only its own inputs,
+    and gradients are then averaged over the ranks, the average carries ∂L/ranks.  Scaling each
+    rank's gradient by ``ranks`` makes the average exactly ∂L.  (Value: L + 0, exactly.)
+    """
+    if ranks == 1:
+        return loss
+    extra = (ranks - 1) * loss
+    return loss + (extra - extra.detach())
+
+
 class ExpertParallelMoE(nn.Module):
     """An :class:`MoELayer` whose experts are spread over the ranks of ``group``.
 
     Build it on every rank from the same layer with :meth:`from_layer`.  ``forward(x)`` on rank r
     computes what ``layer(x)`` computes for these T tokens (one routing group), outputs and
     gradients, with two differences that make it a group: ``stats["aux_loss"]`` is the
-    load-balancing loss of the whole group's batch (equal on every rank, gradient of each rank's
-    own share: see :func:`load_balancing_loss`), and each expert's gradient sums the
-    contributions of every rank's tokens.  The router is a replica: sum its gradient over the
-    group (or average with the data-parallel group: :func:`reference.moe.sync_moe_gradients`).
+    load-balancing loss of a batch larger than one routing group (see below), and each expert's
+    gradient sums the contributions of every rank's tokens.  The router is a replica: average
+    its gradient, and divide the experts' by the data-parallel size, with
+    :func:`reference.moe.sync_moe_gradients`.
+
+    aux_group — whose tokens one load-balancing loss is computed over (lecture 5b, "whose batch"):
+    ``"ep"`` (default) the expert-parallel group's batch; a process group, e.g. the whole
+    data-parallel group, for a global-batch loss (Megatron's global aux loss, arXiv:2501.11873);
+    ``"local"`` this rank's routing group only (GShard/Switch: one loss per group, averaged).
+
+    The loss keeps its strength under data parallelism.  Training code on every rank back-
+    propagates ``task + α·aux + β·z`` and then AVERAGES gradients over the N ranks.  The task and
+    z-losses are per-rank means, so the average is the whole batch's mean.  The aux loss is
+    different: one value for the |G| ranks of ``aux_group``, and each rank's backward only reaches
+    its own tokens (:func:`load_balancing_loss` keeps the gradient local).  Averaged, that would
+    give the router α/|G| of the aux gradient.  So the aux loss returned here has the group's value
+    and |G| times the local gradient, the gradient of this rank's share s_r of a loss that is a
+    mean over ranks, aux = (1/|G|) Σ_r s_r.  One step then gives the single-process gradient of
+    mean task + α·aux + β·z over the whole batch (``tests/test_moe_parallel.py``).
 
     In capacity mode every rank must pass the same T (GShard's equal-sized groups); dropless mode
     takes any T per rank.  Inputs are checked with one small all-reduce first: a bad shape or an
@@ -239,16 +268,16 @@ class ExpertParallelMoE(nn.Module):
 
     def __init__(self, router: nn.Linear, experts: nn.ModuleList, *, num_experts: int, k: int,
                  capacity_factor: float, dropless: bool, group=None, jitter: float = 0.0,
-                 random_second_expert: bool = False):
+                 random_second_expert: bool = False, aux_group="ep"):
         super().__init__()
         self.router, self.experts = router, experts
         self.num_experts, self.k, self.capacity_factor, self.dropless = num_experts, k, capacity_factor, dropless
         self.jitter, self.random_second_expert = jitter, random_second_expert
-        self.group = group
+        self.group, self.aux_group = group, aux_group
         self.d_model = router.in_features
 
     @classmethod
-    def from_layer(cls, layer: MoELayer, group=None) -> "ExpertParallelMoE":
+    def from_layer(cls, layer: MoELayer, group=None, aux_group="ep") -> "ExpertParallelMoE":
         """Keep the router (copied) and experts ``[r·E/W, (r+1)·E/W)`` (copied) of ``layer``."""
         W, r, E = comm.world_size(group), comm.rank(group), layer.num_experts
         if E % W:
@@ -257,7 +286,17 @@ class ExpertParallelMoE(nn.Module):
         experts = nn.ModuleList(copy.deepcopy(layer.experts[i]) for i in range(r * E_local, (r + 1) * E_local))
         return cls(copy.deepcopy(layer.router), experts, num_experts=E, k=layer.k,
                    capacity_factor=layer.capacity_factor, dropless=layer.dropless, group=group,
-                   jitter=layer.jitter, random_second_expert=layer.random_second_expert)
+                   jitter=layer.jitter, random_second_expert=layer.random_second_expert, aux_group=aux_group)
+
+    def _aux_loss(self, probs: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
+        """The load-balancing loss over ``aux_group``'s tokens, its local gradient scaled by |G|."""
+        if isinstance(self.aux_group, str) and self.aux_group not in ("ep", "local"):
+            raise ValueError(f'aux_group must be "ep", "local" or a process group, got {self.aux_group!r}')
+        if isinstance(self.aux_group, str) and self.aux_group == "local":
+            return load_balancing_loss(probs, expert_index, self.num_experts)
+        group = _world_if_none(self.group if isinstance(self.aux_group, str) else self.aux_group)
+        aux = load_balancing_loss(probs, expert_index, self.num_experts, group=group)
+        return mean_share(aux, comm.world_size(group) if dist.is_initialized() else 1)
 
     @property
     def first_expert(self) -> int:
@@ -326,7 +365,7 @@ class ExpertParallelMoE(nn.Module):
                                 random_second_expert=self.random_second_expert, training=self.training)
         emit_route(routing, num_experts=E, capacity=capacity, k=self.k, where="expert_parallel")
         idx, kept = routing["expert_index"], routing["kept"]
-        aux_loss = load_balancing_loss(routing["probs"], idx, E, group=_world_if_none(group))
+        aux_loss = self._aux_loss(routing["probs"], idx)
 
         if self.dropless:
             x_recv, recv_counts = dispatch_dropless(x, routing, E, group)

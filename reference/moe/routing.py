@@ -154,11 +154,11 @@ def load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor, num_exp
     Gradient across ranks.  Each rank then back-propagates its own copy of this global value.  The
     all-reduced probability sum is built as ``local + (global - local).detach()``: its value is the
     group's, its gradient reaches only this rank's own tokens, ∂L/∂p_{t,i} = E·f_i / T_group for
-    t on this rank.  Summing the router's gradient over the ranks (what the expert-parallel group
-    does for a replicated router) therefore counts the loss exactly once.  A differentiable
-    all-reduce (backward = all-reduce) would count it W times.  If the router's gradients are
-    instead AVERAGED over N data-parallel ranks (:func:`reference.moe.sync_moe_gradients`), the loss
-    acts with weight 1/EP-size: scale α by the expert-parallel size to keep Switch's α.
+    t on this rank.  Summed over the ranks, the router's gradients count the loss exactly once; a
+    differentiable all-reduce (backward = all-reduce) would count it W times.  Training AVERAGES
+    gradients over the ranks (:func:`reference.moe.sync_moe_gradients`), which would weaken the
+    loss to α/W: the expert-parallel layer therefore scales this gradient by W
+    (:func:`reference.moe.parallel.mean_share`; lecture 5b, "the balance loss under data parallelism").
     """
     T, k = expert_index.shape
     counts = F.one_hot(expert_index, num_experts).sum(dim=(0, 1)).to(probs.dtype)   # (E,)

@@ -46,17 +46,27 @@ def make_case(cfg: dict, world_size: int):
     return layer, xs, gs
 
 
-def single_process_truth(layer: MoELayer, xs, gs, c_aux: float, c_z: float) -> dict:
-    """Ground truth: each rank's tokens are one routing group of ``layer``; the aux loss is the
-    whole batch's.  J = Σ_r <g_r, y_r> + c_aux · aux(all tokens) + c_z · Σ_r z_r."""
+def single_process_truth(layer: MoELayer, xs, gs, c_aux: float, c_z: float, aux_batches=None) -> dict:
+    """Ground truth, one process: rank r's tokens are one routing group of ``layer``, and the
+    objective is the mean over the ranks of their task and z-losses plus the balance loss:
+
+        J = (1/N) Σ_r <g_r, y_r>  +  c_aux · aux  +  c_z · (1/N) Σ_r z_r
+
+    aux_batches: lists of ranks whose tokens one balance loss covers (default: all of them, the
+    whole batch); aux is the mean of those losses (per routing group: [[0], [1], ...])."""
     layer.zero_grad()
+    N = len(xs)
     xs = [x.clone().requires_grad_() for x in xs]
     ys, stats = zip(*(layer(x) for x in xs))
-    aux = load_balancing_loss(torch.cat([s["routing"]["probs"] for s in stats]),
-                              torch.cat([s["routing"]["expert_index"] for s in stats]), layer.num_experts)
-    J = sum((g * y).sum() for g, y in zip(gs, ys)) + c_aux * aux + c_z * sum(s["z_loss"] for s in stats)
+    batches = aux_batches or [list(range(N))]
+    auxes = [load_balancing_loss(torch.cat([stats[m]["routing"]["probs"] for m in b]),
+                                 torch.cat([stats[m]["routing"]["expert_index"] for m in b]), layer.num_experts)
+             for b in batches]
+    aux = sum(auxes) / len(auxes)
+    J = sum((g * y).sum() for g, y in zip(gs, ys)) / N + c_aux * aux + c_z * sum(s["z_loss"] for s in stats) / N
     J.backward()
     return {"y": [y.detach() for y in ys], "x_grad": [x.grad for x in xs], "aux": aux.detach(),
+            "auxes": [a.detach() for a in auxes],
             "z": [s["z_loss"].detach() for s in stats], "router_grad": layer.router.weight.grad.clone(),
             "expert_grads": [_grads(ex) for ex in layer.experts],
             "tokens_per_expert": [s["tokens_per_expert"] for s in stats],
@@ -65,7 +75,11 @@ def single_process_truth(layer: MoELayer, xs, gs, c_aux: float, c_z: float) -> d
 
 
 def ep_vs_single(cfg: dict) -> dict:
-    """Expert-parallel forward + backward on this rank, and the single-process truth."""
+    """Expert-parallel forward + backward on this rank, the gradients averaged as training does
+    with EP alone (router: mean over ranks; experts: divided by W), and the single-process truth.
+
+    Each rank back-propagates its own <g_r, y_r> + c_aux·aux + c_z·z_r, so its input gradient is
+    W × the truth's (its share of a mean over W ranks)."""
     W, r = comm.world_size(), comm.rank()
     c_aux, c_z = cfg.get("c_aux", 0.3), cfg.get("c_z", 0.05)
     layer, xs, gs = make_case(cfg, W)
@@ -75,12 +89,14 @@ def ep_vs_single(cfg: dict) -> dict:
     x = xs[r].clone().requires_grad_()
     y, st = ep(x)
     ((gs[r] * y).sum() + c_aux * st["aux_loss"] + c_z * st["z_loss"]).backward()
+    router_grad = ep.router.weight.grad.clone()
+    comm.all_reduce(router_grad, what="dense_grads")        # sync_moe_gradients with DP = EP = W
     E_local = len(ep.experts)
     return {
         "rank": r, "world_size": W, "first_expert": r * E_local,
-        "y": y.detach(), "x_grad": x.grad, "aux": st["aux_loss"].detach(), "z": st["z_loss"].detach(),
-        "router_grad": ep.router.weight.grad,
-        "expert_grads": [_grads(ex) for ex in ep.experts],
+        "y": y.detach(), "x_grad": x.grad / W, "aux": st["aux_loss"].detach(), "z": st["z_loss"].detach(),
+        "router_grad": router_grad / W,
+        "expert_grads": [[g / W for g in _grads(ex)] for ex in ep.experts],
         "kept": st["routing"]["kept"], "dispatched": st["dispatched"], "dropped": st["dropped"], "capacity": st["capacity"],
         "tokens_per_expert": st["tokens_per_expert"], "kept_per_expert": st["kept_per_expert"],
         "truth": {key: (val[r] if key in ("y", "x_grad", "z", "tokens_per_expert", "kept_per_expert",
@@ -105,36 +121,48 @@ def all_to_all_adjoint(rows_per_dest: list[list[int]], d: int, seed: int = 0) ->
 
 
 def ep_dp_grad_sync(cfg: dict, divide_by: str = "dp") -> dict:
-    """EP × DP on 4 ranks: EP groups {0,1}, {2,3}; expert-data-parallel groups {0,2}, {1,3};
-    the data-parallel group is the world.  Returns the synced gradients and the single-process
-    truth of the averaged objective  (1/N) Σ_r [<g_r, y_r> + c_aux · aux(EP group of r)].
+    """One training step of EP × DP on N ranks, against the single-process truth.
 
-    divide_by="expert_dp" reproduces the classic bug (expert grads divided by the expert-dp size).
+    EP groups of ``cfg["ep_size"]`` consecutive ranks ({0,1}, {2,3} for N = 4, EP = 2);
+    expert-data-parallel groups {q, q+EP, ...}; the data-parallel group is the world.  Every rank
+    back-propagates its task loss <g_r, y_r>/T + c_aux·aux + c_z·z_r and syncs with
+    :func:`sync_moe_gradients`.  The truth: one process, gradients of
+
+        mean task loss + c_aux · aux + c_z · z-loss        over the whole batch of N·T tokens
+
+    cfg["aux"]: whose batch aux covers — "global" (the whole batch, aux_group = the world), "ep"
+    (each EP group's, averaged) or "local" (each rank's routing group, averaged).
+    cfg["naive_aux"]: back-propagate the bare :func:`load_balancing_loss` (no |G| gradient scale):
+    the bug class of lecture 5b, the router gets α/|G| of the balance gradient.
+    divide_by="expert_dp" reproduces the other classic bug (expert grads divided by the expert-dp size).
     """
+    import torch.distributed as dist
     N, r = comm.world_size(), comm.rank()
     ep_size = cfg.get("ep_size", 2)
+    if N % ep_size:
+        raise ValueError(f"EP size {ep_size} does not divide the {N} ranks")
     ep_groups = [comm.new_group(list(range(i, i + ep_size))) for i in range(0, N, ep_size)]
     edp_groups = [comm.new_group(list(range(i, N, ep_size))) for i in range(ep_size)]
     ep_group, edp_group = ep_groups[r // ep_size], edp_groups[r % ep_size]
-    c_aux = cfg.get("c_aux", 0.3)
+    c_task, c_aux, c_z = cfg.get("c_task", 1.0), cfg.get("c_aux", 0.3), cfg.get("c_z", 0.05)
     layer, xs, gs = make_case(cfg, N)
+    T = xs[r].shape[0]
+    if any(x.shape[0] != T for x in xs):
+        raise ValueError("the EP × DP step compares with a whole-batch mean: give every rank the same T")
+    kind = cfg.get("aux", "global")
+    batches = {"global": [list(range(N))], "local": [[m] for m in range(N)],
+               "ep": [list(range(i, i + ep_size)) for i in range(0, N, ep_size)]}[kind]
+    truth = single_process_truth(layer, xs, [c_task * g / T for g in gs], c_aux, c_z, aux_batches=batches)
 
-    # Truth: one process, the mean over the N ranks' objectives; aux over each EP group's batch.
-    layer.zero_grad()
-    J = 0.0
-    for grp in range(N // ep_size):
-        members = range(grp * ep_size, (grp + 1) * ep_size)
-        outs = [layer(xs[m]) for m in members]
-        aux = load_balancing_loss(torch.cat([s["routing"]["probs"] for _, s in outs]),
-                                  torch.cat([s["routing"]["expert_index"] for _, s in outs]), layer.num_experts)
-        J = J + sum((gs[m] * y).sum() for m, (y, _) in zip(members, outs)) + c_aux * aux
-    (J / N).backward()
-    truth_router = layer.router.weight.grad.clone()
-    truth_experts = [_grads(ex) for ex in layer.experts]
-
-    ep = ExpertParallelMoE.from_layer(layer, group=ep_group)
+    aux_group = {"global": dist.group.WORLD, "ep": "ep", "local": "local"}[kind]
+    ep = ExpertParallelMoE.from_layer(layer, group=ep_group, aux_group=aux_group)
     y, st = ep(xs[r])
-    ((gs[r] * y).sum() + c_aux * st["aux_loss"]).backward()
+    aux = st["aux_loss"]
+    if cfg.get("naive_aux"):
+        grp = {"global": None, "ep": ep_group, "local": "local"}[kind]
+        aux = load_balancing_loss(st["routing"]["probs"], st["routing"]["expert_index"], layer.num_experts,
+                                  group=None if grp == "local" else (grp or dist.group.WORLD))
+    (c_task * (gs[r] * y).sum() / T + c_aux * aux + c_z * st["z_loss"]).backward()
     dense = list(ep.router.parameters())
     experts = [p for ex in ep.experts for p in ex.parameters()]
     if divide_by == "dp":
@@ -145,9 +173,11 @@ def ep_dp_grad_sync(cfg: dict, divide_by: str = "dp") -> dict:
             comm.all_reduce(p.grad, group=edp_group)
             p.grad /= comm.world_size(edp_group)
     first = comm.rank(ep_group) * len(ep.experts)
-    return {"router_grad": ep.router.weight.grad, "truth_router": truth_router,
+    return {"router_grad": ep.router.weight.grad, "truth_router": truth["router_grad"],
             "expert_grads": [_grads(ex) for ex in ep.experts],
-            "truth_experts": truth_experts[first:first + len(ep.experts)]}
+            "truth_experts": truth["expert_grads"][first:first + len(ep.experts)],
+            "aux": float(st["aux_loss"]), "truth_aux": float(truth["aux"]), "y": y.detach(),
+            "truth_y": truth["y"][r]}
 
 
 def ep_bad_input(kinds: list[str]) -> list[str]:

@@ -4,4 +4,5 @@ drawing and a :class:`~reference.widgets.player.Player`.
     collective   lecture 0: ranks on a circle, chunks moving (any ring collective)
     ring         lecture 5a: ring attention — K/V moving, the score matrix filling
     routing      lecture 5b: tokens routed to experts, capacity buffers, all-to-all
+    planner      lecture 5c: the rank grid by node, memory per device, bytes per axis of a composition
 """

@@ -151,3 +151,26 @@ def _(ctx):
         ctx.expect(sent == want, f"rank {r} sent {sent} bytes; a ring all-gather sends (N-1)/N·n = {want}.")
         ctx.expect(peers == {(r + 1) % n}, f"rank {r} sent to ranks {sorted(peers)}: the ring runs the other way "
                    f"round — each rank sends to the next one ({(r + 1) % n}) and receives from the previous one.")
+
+
+# Hints in tiers: the stub's error shows tier 1; ``hint("0.1")`` shows the next one each call.
+HINTS = {
+    "0.1": [
+        "A ring all-reduce is a reduce-scatter (N-1 steps: send a chunk right, add the one from the left) followed "
+        "by an all-gather (N-1 steps: pass finished chunks round). Post each step's send and receive together.",
+        "Cut tensor.flatten() into N chunks with torch.tensor_split and clone them (you add into them). At step s "
+        "rank r sends chunk (r - s) % N to the next rank and adds what arrives from the previous one into chunk "
+        "(r - s - 1) % N. comm.exchange([(chunk, nxt)], [(buffer, prv)]).wait() posts both at once.",
+        "After N-1 steps rank r holds the complete sum of chunk (r + 1) % N: return it from ring_reduce_scatter. "
+        "ring_all_reduce = your reduce-scatter, then your all-gather (exercise 0.2), reshaped to the input's shape; "
+        "with one rank return a copy, and never modify the input.",
+    ],
+    "0.2": [
+        "An all-gather on a ring: each rank starts with one finished chunk and, for N-1 steps, passes the chunk it "
+        "got last to the next rank while receiving a new one from the previous rank.",
+        "Make N empty chunk buffers of the sizes reference.collectives.chunk_bounds(numel, N) gives; yours goes at "
+        "index (r + 1) % N (where the reduce-scatter left it).",
+        "At step s send chunk (r + 1 - s) % N to the next rank and receive chunk (r - s) % N from the previous one "
+        "(comm.exchange(...).wait()); finally torch.cat the N chunks.",
+    ],
+}

@@ -614,13 +614,25 @@ def mixed_experts(m: Mismatch) -> str | None:
     return None
 
 
+def dense_not_averaged(m: Mismatch) -> str | None:
+    N = m.world_size
+    if not isinstance(m.got, torch.Tensor) or m.got.shape != m.expected.shape or not N or N == 1:
+        return None
+    g, e = m.got.double().flatten(), m.expected.double().flatten()
+    if torch.allclose(g, N * e, rtol=1e-9, atol=1e-12):
+        return (f"your {m.what} is exactly N = {N}× the true one: you summed it over dp_group but did not "
+                "divide by N. The objective is the MEAN of the ranks' losses. (The balance loss keeps its full "
+                "strength anyway: the expert-parallel layer already scales its gradient by the group size.)")
+    return None
+
+
 def _grad_sync_case(ctx, W: int, ep: int, seed: int, case: str):
     data = ctx.oracle(f"{DEMOS}:ep_dp_local_grads", W, ep, seed)
     res = ctx.ranks(W, f"{H}:grad_sync_per_rank", data["dense"], data["experts"], ep)
     for r, v in enumerate(res.values):
         for i, (g, want) in enumerate(zip(v["dense"], data["want_dense"])):
             ctx.compare(g, want, f"dense (router) gradient {i}", rank=r, world_size=W, atol=1e-12, rtol=1e-10,
-                        case=case)
+                        case=case, detectors=[dense_not_averaged])
         for i, (g, want) in enumerate(zip(v["experts"], data["want_experts"][r])):
             ctx.compare(g, want, f"expert gradient {i}", rank=r, world_size=W, atol=1e-12, rtol=1e-10, case=case,
                         detectors=[off_by_ep_size, mixed_experts],
@@ -641,3 +653,44 @@ def _(ctx):
 @GRADSYNC.check("4 ranks, EP = 1 (plain data parallelism): every gradient averaged over the 4 ranks")
 def _(ctx):
     _grad_sync_case(ctx, 4, 1, seed=43, case="W=4, EP=1")
+
+
+# Hints in tiers: the stub's error shows tier 1; ``hint("5b.2")`` shows the next one each call.
+HINTS = {
+    "5b.1": [
+        "Softmax over ALL experts first (in router_dtype), then top-k. Slots: first choices of every token come "
+        "before any second choice; an assignment whose slot reaches the capacity is dropped.",
+        "k = 1: the weight is the raw probability; k >= 2: divide the k probabilities by their sum, before any "
+        "dropping. one_hot(expert_index, E) is (T, k, E): put it in priority order, choice-major.",
+        "order = one_hot(expert_index, E).transpose(0, 1).reshape(k*T, E); a cumsum down that order minus one, "
+        "times the one-hot, counts the assignments to the same expert before each one: that is the slot. "
+        "kept = slot < capacity (all kept if capacity is None); slot = -1 where dropped.",
+    ],
+    "5b.2": [
+        "E · Σ_i f_i · P_i with f from the counts of all k choices (a constant) and P the mean probability (carries "
+        "the gradient). With a group, every rank must return the loss of the WHOLE batch.",
+        "The loss is a product of two batch means, so a mean of per-rank losses is wrong: all-reduce the counts, "
+        "the probability sums (detached) and T, in one tensor, before forming f and P.",
+        "Keep the gradient local: prob_sum + (global_prob_sum - prob_sum).detach() has the global value and reaches "
+        "only this rank's tokens. f = counts / (k·T), P = prob_sum / T, loss = E · (f · P).sum().",
+    ],
+    "5b.3": [
+        "dispatch: put each kept assignment in a zero buffer of E·C rows at row e·C + slot; rows of the experts on "
+        "rank w form block w; one all-to-all delivers them. combine undoes it and mixes with the combine weights.",
+        "Expert e lives on rank e // E_local. The all-to-all must be differentiable (its backward is the all-to-all "
+        "of the gradient with the splits swapped): reference.comm has one. What arrives is (W, E_local, C, d) in "
+        "source order: reorder to (E_local, W·C, d).",
+        "combine: (E_local, W·C, d) → (W, E_local, C, d) → (W·E_local·C, d) rows, all-to-all them back; row e·C + "
+        "slot now holds the output for your assignment (t, j). y = zeros(T, d).index_add(0, t, w_tj · rows) over "
+        "KEPT assignments only (a slot of -1 would index the last row).",
+    ],
+    "5b.4": [
+        "The objective is the mean of the ranks' losses. Dense parameters are replicated on every rank of "
+        "dp_group; each expert on the ranks of expert_dp_group. What did the all-to-all already sum into an "
+        "expert's gradient?",
+        "Dense: all-reduce over dp_group and divide by its size N. Experts: all-reduce over expert_dp_group — the "
+        "all-to-all already summed the whole EP group's tokens into each expert's gradient.",
+        "Divide the expert gradients by N as well, NOT by the size of expert_dp_group (that is EP times too "
+        "large). Skip parameters whose grad is None; work in place.",
+    ],
+}

@@ -751,3 +751,47 @@ def _(ctx):
                               "ValueError before any communication.") from None
         raise
     judge_ulysses_error(res.values, W, Hh)
+
+
+# Hints in tiers: the stub's error shows tier 1; ``hint("5a.3")`` shows the next one each call.
+HINTS = {
+    "5a.1": [
+        "Each side's weight is its share of the softmax mass, e^{lse_a} / (e^{lse_a} + e^{lse_b}). Think about what "
+        "e^{lse} does when the logits are large, and what a fully masked side (lse = -inf) must contribute.",
+        "Never compute e^{lse} itself: subtract m = torch.maximum(lse_a, lse_b) first, so every exponent is <= 0. "
+        "lse has no head_dim axis: unsqueeze(-1) the weights before multiplying out_a and out_b.",
+        "lse = m + log(e^{lse_a - m} + e^{lse_b - m}); out = e^{lse_a - lse}·out_a + e^{lse_b - lse}·out_b. Where "
+        "both sides are -inf, m is -inf too: replace it by 0 before subtracting, so the weights come out 0, not NaN.",
+    ],
+    "5a.2": [
+        "Draw the three layouts for L = 8, W = 2 (the pictures are in reference/sequence/layouts.py's docstring): "
+        "which global token positions does each rank hold, in which order? unshard_sequence is the inverse.",
+        "contiguous: W equal chunks, rank r takes chunk r. zigzag: 2W chunks, rank r takes chunk r and chunk "
+        "2W-1-r. striped: token i lives on rank i mod W. Check that the length divides and raise ValueError.",
+        "shard: x.chunk(W, dim)[r]; torch.cat([c[r], c[2W-1-r]], dim) with c = x.chunk(2W, dim); x.movedim(dim, 0)"
+        "[r::W].movedim(0, dim). unshard: concatenate; split each zigzag shard in halves and put chunk r and "
+        "2W-1-r back in place; striped: torch.stack(shards, dim+1).flatten(dim, dim+1) with a non-negative dim.",
+    ],
+    "5a.3": [
+        "At step s rank r holds the K/V block of rank (r - s) mod W; K/V move one rank forward per step, queries "
+        "never move. Post the next hop before computing the current block, and merge each block into a running "
+        "(out, lse) with your 5a.1.",
+        "comm.ring_peers(group) gives (next, previous). Each step: comm.exchange([(k_cur, nxt), (v_cur, nxt)], "
+        "[(k_buf, prv), (v_buf, prv)], group=group, step=s, what='kv') (not on the last step), compute, then "
+        ".wait() and swap buffers. Never a blocking send then recv: on a ring every rank would wait for the next.",
+        "Causal: a block is full, causal (diagonal included), strictly causal or skipped, depending on the global "
+        "positions of your queries and of rank j's keys (layouts.positions). Contiguous: j < r full, j == r causal, "
+        "j > r skip; zigzag and striped: sketch the score matrix. Skip fully masked blocks without a kernel call; "
+        "accumulate in float32 or wider and return (out in q's dtype, lse).",
+    ],
+    "5a.4": [
+        "Before: every rank has all H heads of its n = L/W tokens. After: every rank has H/W heads of all L tokens. "
+        "One all-to-all does it: slice w of what a rank sends goes to rank w. heads_to_seq is the mirror image.",
+        "Check x.shape[1] % W first and raise ValueError on every rank, before any message. Cut the heads into W "
+        "groups and make the group the first axis of a contiguous send buffer for comm.all_to_all_single.",
+        "send = x.reshape(B, W, H//W, n, D).transpose(0, 1).contiguous(); after all_to_all_single slice w of the "
+        "output is sequence chunk w of your head group: put the chunks in rank order along the sequence axis. "
+        "heads_to_seq: x.reshape(B, h, W, S//W, D).permute(2, 0, 1, 3, 4).contiguous(), one all_to_all_single, "
+        "then the slice from rank w is head group w.",
+    ],
+}

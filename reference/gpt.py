@@ -1,0 +1,225 @@
+"""Lecture 5c — a tiny GPT on one process: the ground truth every composed run must reproduce.
+
+A character-level decoder-only transformer (GPT-2 layout, pre-LayerNorm), small enough to train
+in float64 on a laptop core in seconds, and written so that each piece can later be replaced by
+the parallel layer a lecture teaches — same parameter names, same shapes::
+
+    idx (B, S) ─▶ tok_emb + pos_emb ─▶ [ Block ] × layers ─▶ ln_f ─▶ head ─▶ logits (B, S, V)
+
+    Block:  x = x + attn(ln1(x))        Attention: qkv (d → 3d), causal softmax(q·kᵀ/√d_h)·v, proj (d → d)
+            x = x + mlp(ln2(x))         MLP:       fc1 (d → d_ff), GELU, fc2 (d_ff → d)
+                                        or MoE:    reference.moe.MoELayer over the B·S tokens
+
+``qkv.weight`` rows are [Q; K; V], each ``heads·d_h`` rows with the heads contiguous (head h owns
+rows h·d_h … (h+1)·d_h − 1 of each third): a tensor-parallel split gives each rank whole heads by
+taking the same row block from each third.  ``fc1`` splits by rows (columns of the product) and
+``fc2`` by columns, as Megatron does.  ``Attention.attend(q, k, v)`` is the only place that sees
+the whole sequence: context parallelism swaps it for ring attention.
+
+The corpus is generated (a few KB of sentences about ranks passing messages), deterministic, and
+character-level; :func:`get_batch` is a pure function of the step, so data-parallel ranks can
+take their slice of the same global batch.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .moe import MoELayer
+
+__all__ = ["GPTConfig", "Attention", "MLP", "MoEMLP", "Block", "TinyGPT", "corpus", "encode", "get_batch",
+           "train_single"]
+
+
+# ---------------------------------------------------------------------------------- data
+
+_SUBJECTS = ["rank zero", "rank one", "rank two", "rank three", "the ring", "every stage", "the expert",
+             "the router", "each replica", "the pipeline"]
+_VERBS = ["sends", "receives", "reduces", "gathers", "splits", "passes", "holds", "averages"]
+_OBJECTS = ["the gradient", "its shard", "the activations", "a block of keys", "the tokens", "the loss",
+            "half the heads", "the next micro-batch"]
+_TAILS = ["to its neighbour", "around the ring", "before the step", "over the group", "in one hop",
+          "while it computes", "along the pipeline", "to every rank"]
+
+
+def corpus(n_sentences: int = 400, seed: int = 0) -> str:
+    """A deterministic text of short sentences (about 16 KB for the default 400)."""
+    rng = random.Random(seed)
+    return " ".join(f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}."
+                    for _ in range(n_sentences))
+
+
+def encode(text: str) -> tuple[torch.Tensor, list[str]]:
+    """Characters → ids (sorted alphabet).  Returns (ids (N,) long, alphabet)."""
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    return torch.tensor([index[c] for c in text], dtype=torch.long), chars
+
+
+def get_batch(data: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: inputs and next-character targets, each (batch_size, seq_len).
+
+    A pure function of (seed, step): every rank can rebuild it and take its own rows (data
+    parallel) or columns (context parallel).
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=g)
+    x = torch.stack([data[s:s + seq_len] for s in starts.tolist()])
+    y = torch.stack([data[s + 1:s + seq_len + 1] for s in starts.tolist()])
+    return x, y
+
+
+# ---------------------------------------------------------------------------------- model
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes.  The defaults give about 200K parameters (27-character alphabet)."""
+    vocab: int
+    seq_len: int = 32
+    d_model: int = 64
+    heads: int = 4
+    layers: int = 4
+    d_ff: int = 256
+    num_experts: int = 0        # > 0: every ``moe_every``-th block has a MoE layer instead of the MLP
+    top_k: int = 2
+    moe_every: int = 2
+    aux_loss_coef: float = 0.01
+
+    def __post_init__(self):
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by heads={self.heads}")
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer % self.moe_every == self.moe_every - 1
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention: x (B, S, d) → (B, S, d)."""
+
+    def __init__(self, d_model: int, heads: int):
+        super().__init__()
+        self.heads, self.d_head = heads, d_model // heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q·kᵀ/√d_h + causal mask)·v for q, k, v of shape (B, heads, S, d_h)."""
+        S = q.shape[-2]
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_head)
+        future = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
+        return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x).split(self.heads * self.d_head, dim=-1)
+        q, k, v = (t.view(B, S, self.heads, self.d_head).transpose(1, 2) for t in (q, k, v))
+        out = self.attend(q, k, v)                                   # (B, heads, S, d_h)
+        return self.proj(out.transpose(1, 2).reshape(B, S, self.heads * self.d_head))
+
+
+class MLP(nn.Module):
+    """fc1 → GELU → fc2: (B, S, d) → (B, S, d)."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_ff)
+        self.fc2 = nn.Linear(d_ff, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class MoEMLP(nn.Module):
+    """A dropless MoE layer (reference.moe.MoELayer) over the B·S tokens of the batch.
+
+    Dropless, so a token's output does not depend on which other tokens share its routing group;
+    the load-balancing loss does (it is a mean over the group) and is kept in ``self.aux_loss``.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, k: int):
+        super().__init__()
+        self.moe = MoELayer(d_model, d_ff, num_experts, k=k, dropless=True)
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, d = x.shape
+        y, stats = self.moe(x.reshape(B * S, d))
+        self.aux_loss = stats["aux_loss"]
+        return y.view(B, S, d)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg.d_model, cfg.heads)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = (MoEMLP(cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k) if cfg.is_moe(layer)
+                    else MLP(cfg.d_model, cfg.d_ff))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """idx (B, S) long → logits (B, S, vocab).  ``loss(idx, targets)`` adds the MoE aux loss."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, S = idx.shape
+        if S > self.cfg.seq_len:
+            raise ValueError(f"sequence of {S} tokens is longer than seq_len={self.cfg.seq_len}")
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(S, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy, plus aux_loss_coef × the mean aux loss of the MoE layers."""
+        logits = self(idx)
+        lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        moe = [b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, MoEMLP)]
+        return lm + self.cfg.aux_loss_coef * torch.stack(moe).mean() if moe else lm
+
+
+# ---------------------------------------------------------------------------------- training
+
+def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int = 0, dtype=torch.float64,
+                 model: TinyGPT | None = None, text: str | None = None, **config) -> list[float]:
+    """Train the tiny GPT on one process with Adam; return the loss of every step.
+
+    ``config`` overrides :class:`GPTConfig` fields (e.g. ``layers=2, num_experts=4``).  Parameters
+    are initialised with ``torch.manual_seed(seed)``; batches come from :func:`get_batch`.  Pass
+    ``model`` to keep training one (it is trained in place).
+    """
+    data, alphabet = encode(text if text is not None else corpus())
+    if model is None:
+        torch.manual_seed(seed)
+        model = TinyGPT(GPTConfig(vocab=len(alphabet), **config)).to(dtype)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y = get_batch(data, step, batch_size, model.cfg.seq_len, seed)
+        loss = model.loss(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -1,0 +1,176 @@
+"""Lecture 4a, part 2 — column- and row-parallel linear layers (Megatron-LM arXiv:1909.08053 §3).
+
+A linear layer ``Y = X·Aᵀ + b`` with ``A`` (out, in) as ``nn.Linear`` stores it can be cut two ways
+over W ranks::
+
+    column-parallel: cut A's OUTPUT rows            row-parallel: cut A's INPUT columns
+                                                                 in
+       A (out, in)        Y = [Y_0 | Y_1 | ...]        A (out, in) ┌────┬────┐
+     ┌──────────┐ rank 0                                           │ A_0│ A_1│   rank r holds A_r
+     │   A_0    │ ─▶ Y_0 = X·A_0ᵀ + b_0                            │    │    │   (out, in/W)
+     ├──────────┤ rank 1                                           └────┴────┘
+     │   A_1    │ ─▶ Y_1 = X·A_1ᵀ + b_1              Y = Σ_r X_r·A_rᵀ  + b    (X_r = X[..., r-th slice])
+     └──────────┘                                  one all-reduce (g), bias added ONCE after it
+    X replicated in, Y split along its last dim    X split along its last dim in, Y replicated out
+
+Column then row needs no communication in between: the column layer's output slice is exactly
+the row layer's input slice.  So an MLP costs one all-reduce forward (g, after the row layer) and
+one backward (f, before the column layer).
+
+    column_parallel_linear, row_parallel_linear     the functional forms        (exercise 4.2)
+    linear_shard                                    this rank's slice of an nn.Linear (exercise 4.2)
+    ColumnParallelLinear, RowParallelLinear         modules with ``from_linear``
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm
+from .regions import (copy_to_tensor_region, gather_from_sequence_region, gather_from_tensor_region,
+                      reduce_from_tensor_region, reduce_scatter_to_sequence_region, scatter_to_tensor_region)
+
+__all__ = ["linear_shard", "column_parallel_linear", "row_parallel_linear", "ColumnParallelLinear",
+           "RowParallelLinear"]
+
+
+def linear_shard(weight: torch.Tensor, bias: torch.Tensor | None, style: str, group=None):
+    """This rank's contiguous shard of a full linear layer's ``weight`` (out, in) and ``bias`` (out,).
+
+    style "column": rows ``r·out/W … (r+1)·out/W`` of the weight and the same slice of the bias.
+    style "row":    columns ``r·in/W … (r+1)·in/W`` of the weight; the WHOLE bias (added once,
+                    after the all-reduce).  Returns ``(weight_shard, bias_or_None)``, new tensors.
+    ValueError (on every rank, nothing sent) if the cut dimension does not divide by W.
+    """
+    W, r = comm.world_size(group), comm.rank(group)
+    if style not in ("column", "row"):
+        raise ValueError(f"style must be 'column' or 'row', got {style!r}")
+    dim = 0 if style == "column" else 1
+    n = weight.shape[dim]
+    if n % W:
+        raise ValueError(f"{style}-parallel: dimension {n} of the weight {tuple(weight.shape)} "
+                         f"does not split evenly over {W} ranks")
+    w = weight.detach().narrow(dim, r * n // W, n // W).clone()
+    if bias is None:
+        return w, None
+    b = bias.detach().narrow(0, r * n // W, n // W).clone() if style == "column" else bias.detach().clone()
+    return w, b
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None, *,
+                           gather_output: bool = False, sequence_parallel: bool = False, **meta) -> torch.Tensor:
+    """``Y_r = X·A_rᵀ + b_r`` on this rank's rows A_r of the weight.
+
+    x: (..., in) replicated — or, with ``sequence_parallel``, (S/W, ..., in) this rank's sequence
+    shard, all-gathered first.  weight: (out/W, in); bias: (out/W,) or None.
+    Returns (..., out/W), or (..., out) replicated with ``gather_output``.
+    x enters the region through ``f`` (copy_to_tensor_region), so its gradient is summed over ranks.
+    ``meta`` (e.g. ``layer="mlp.fc1"``) goes into the trace of every collective.
+    """
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"column-parallel linear: input has {x.shape[-1]} features, weight expects {weight.shape[-1]}")
+    if gather_output and sequence_parallel:
+        raise ValueError("column-parallel linear: gather_output is not supported with sequence_parallel")
+    if sequence_parallel:
+        x = gather_from_sequence_region(x, group, **meta)
+    else:
+        x = copy_to_tensor_region(x, group, **meta)
+    y = F.linear(x, weight, bias)
+    return gather_from_tensor_region(y, group, **meta) if gather_output else y
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None, *,
+                        input_is_parallel: bool = True, sequence_parallel: bool = False, **meta) -> torch.Tensor:
+    """``Y = Σ_r X_r·A_rᵀ + b`` on this rank's columns A_r of the weight.
+
+    x: (..., in/W) this rank's slice (or (..., in) replicated when ``input_is_parallel`` is False,
+    then sliced).  weight: (out, in/W); bias: (out,) the whole bias, or None.
+    Returns (..., out) replicated: the partial products summed by ``g`` (reduce_from_tensor_region),
+    THEN the bias added once.  With ``sequence_parallel`` the sum is a reduce-scatter along dim 0
+    and the result is this rank's sequence shard (S/W, ..., out).
+    """
+    if not input_is_parallel:
+        x = scatter_to_tensor_region(x, group, **meta)
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"row-parallel linear: input has {x.shape[-1]} features, weight expects {weight.shape[-1]}")
+    partial = F.linear(x, weight)
+    if sequence_parallel:
+        y = reduce_scatter_to_sequence_region(partial, group, **meta)
+    else:
+        y = reduce_from_tensor_region(partial, group, **meta)
+    return y + bias if bias is not None else y
+
+
+class _ParallelLinear(nn.Module):
+    STYLE = ""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group=None,
+                 sequence_parallel: bool = False, dtype: torch.dtype | None = None, name: str = ""):
+        super().__init__()
+        full = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)  # same torch seed on every rank
+        w, b = linear_shard(full.weight, full.bias, self.STYLE, group)
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.sequence_parallel, self.name = group, sequence_parallel, name
+        self.weight = nn.Parameter(w)
+        self.bias = nn.Parameter(b) if b is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **kwargs):
+        """This rank's shard of a full ``nn.Linear`` (the same module on every rank)."""
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        w, b = linear_shard(linear.weight, linear.bias, cls.STYLE, group)
+        m.in_features, m.out_features = linear.in_features, linear.out_features
+        m.group, m.sequence_parallel = group, kwargs.pop("sequence_parallel", False)
+        m.name = kwargs.pop("name", "")
+        m._configure(**kwargs)
+        m.weight = nn.Parameter(w)
+        m.bias = nn.Parameter(b) if b is not None else None
+        return m
+
+    def _meta(self):
+        return {"layer": self.name} if self.name else {}
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``nn.Linear`` with its output features split over ``group``: ``.weight`` (out/W, in) holds
+    rows ``r·out/W … (r+1)·out/W``, ``.bias`` the same slice.  Input replicated (or sequence-sharded
+    with ``sequence_parallel``); output (..., out/W), or replicated with ``gather_output``."""
+
+    STYLE = "column"
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, gather_output: bool = False,
+                 group=None, sequence_parallel: bool = False, dtype: torch.dtype | None = None, name: str = ""):
+        super().__init__(in_features, out_features, bias=bias, group=group, sequence_parallel=sequence_parallel,
+                         dtype=dtype, name=name)
+        self._configure(gather_output=gather_output)
+
+    def _configure(self, gather_output: bool = False):
+        self.gather_output = gather_output
+
+    def forward(self, x):
+        return column_parallel_linear(x, self.weight, self.bias, self.group, gather_output=self.gather_output,
+                                      sequence_parallel=self.sequence_parallel, **self._meta())
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``nn.Linear`` with its input features split over ``group``: ``.weight`` (out, in/W) holds
+    columns ``r·in/W … (r+1)·in/W``, ``.bias`` the whole bias, added once after the all-reduce.
+    Input (..., in/W) (or replicated if not ``input_is_parallel``); output replicated (or
+    sequence-sharded with ``sequence_parallel``)."""
+
+    STYLE = "row"
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, input_is_parallel: bool = True,
+                 group=None, sequence_parallel: bool = False, dtype: torch.dtype | None = None, name: str = ""):
+        super().__init__(in_features, out_features, bias=bias, group=group, sequence_parallel=sequence_parallel,
+                         dtype=dtype, name=name)
+        self._configure(input_is_parallel=input_is_parallel)
+
+    def _configure(self, input_is_parallel: bool = True):
+        self.input_is_parallel = input_is_parallel
+
+    def forward(self, x):
+        return row_parallel_linear(x, self.weight, self.bias, self.group, input_is_parallel=self.input_is_parallel,
+                                   sequence_parallel=self.sequence_parallel, **self._meta())

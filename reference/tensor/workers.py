@@ -1,0 +1,192 @@
+"""Rank functions the tests, the grader and ``benchmarks/tensor_parallel.py`` run.
+
+Every rank builds the same full single-process module and the same inputs from a seed
+(:func:`build`), keeps its shard, runs forward and backward, and returns plain tensors; the caller
+compares them with the single-process module run on the full inputs.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import comm
+from .blocks import MLP, Block, ParallelBlock, ParallelMLP, ParallelSelfAttention, SelfAttention, sync_sequence_parallel_grads
+from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+
+def build(kind: str, *, d_model: int = 8, heads: int = 4, d_ff: int = 24, S: int = 12, B: int = 2, seed: int = 0,
+          scale: float = 1.0, dropout_p: float = 0.0, dtype=torch.float64):
+    """The full module of ``kind`` ("mlp", "attn" or "block") and full (S, B, d) input and output gradient."""
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        m = MLP(d_model, d_ff, dtype=dtype)
+    elif kind == "attn":
+        m = SelfAttention(d_model, heads, dropout_p=dropout_p, dtype=dtype)
+    elif kind == "block":
+        m = Block(d_model, heads, d_ff, dropout_p=dropout_p, dtype=dtype)
+        with torch.no_grad():      # LayerNorms that are not the identity, so their gradients mean something
+            for ln in (m.ln1, m.ln2):
+                ln.weight.add_(torch.randn_like(ln.weight) * 0.3)
+                ln.bias.add_(torch.randn_like(ln.bias) * 0.3)
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    g = torch.Generator().manual_seed(seed + 1)
+    x = (torch.randn(S, B, d_model, generator=g, dtype=torch.float64) * scale).to(dtype)
+    dout = torch.randn(S, B, d_model, generator=g, dtype=torch.float64).to(dtype)
+    return m, x, dout
+
+
+def single(kind: str, **cfg) -> dict:
+    """Ground truth: the full module, forward + backward in one process."""
+    m, x, dout = build(kind, **cfg)
+    x = x.clone().requires_grad_()
+    y = m(x)
+    y.backward(dout)
+    return {"out": y.detach(), "dx": x.grad, "grads": {n: p.grad for n, p in m.named_parameters()}}
+
+
+def parallel(kind: str, sequence_parallel: bool = False, sync: bool = True, **cfg) -> dict:
+    """This rank's shard of ``kind``: output, input gradient, local parameter gradients (by name)."""
+    m, x, dout = build(kind, **cfg)
+    W, r = comm.world_size(), comm.rank()
+    if kind == "mlp":
+        pm = ParallelMLP.from_module(m, sequence_parallel=sequence_parallel)
+    elif kind == "attn":
+        pm = ParallelSelfAttention.from_module(m, sequence_parallel=sequence_parallel)
+    else:
+        pm = ParallelBlock(m, sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        n = x.shape[0] // W
+        x, dout = x[r * n:(r + 1) * n], dout[r * n:(r + 1) * n]
+    x = x.clone().requires_grad_()
+    y = pm(x)
+    y.backward(dout)
+    if sequence_parallel and sync:
+        params = pm.sequence_parallel_params() if kind == "block" else [pm.proj.bias if kind == "attn" else pm.fc2.bias]
+        sync_sequence_parallel_grads(params)
+    return {"out": y.detach(), "dx": x.grad, "grads": {n: p.grad for n, p in pm.named_parameters()},
+            "params": {n: p.detach() for n, p in pm.named_parameters()}}
+
+
+def dtensor_mlp(**cfg) -> dict:
+    """PyTorch's own tensor parallelism on the same MLP: ColwiseParallel fc1, RowwiseParallel fc2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    m, x, dout = build("mlp", **cfg)
+    mesh = init_device_mesh("cpu", (comm.world_size(),))
+    parallelize_module(m, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    x = x.clone().requires_grad_()
+    y = m(x)
+    y.backward(dout)
+    return {"out": y.detach(), "dx": x.grad,
+            "grads": {n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for n, p in m.named_parameters()}}
+
+
+def vocab(V: int = 12, d: int = 4, tokens: int = 10, seed: int = 0, scale: float = 30.0, ignore: tuple = (3,),
+          dtype=torch.float64) -> dict:
+    """Vocabulary-parallel embedding and cross-entropy on this rank's vocabulary shard.
+
+    Targets include the first and last id of every shard; ``ignore`` lists tokens given -100.
+    """
+    torch.manual_seed(seed)
+    emb = torch.nn.Embedding(V, d, dtype=dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, V, (tokens,), generator=g)
+    logits = (torch.randn(tokens, V, generator=g, dtype=torch.float64) * scale).to(dtype)
+    target = vocab_targets(V, tokens, comm.world_size(), seed, ignore)
+    dloss = torch.randn(tokens, generator=g, dtype=torch.float64).to(dtype)
+    demb = torch.randn(tokens, d, generator=g, dtype=torch.float64).to(dtype)
+    W, r = comm.world_size(), comm.rank()
+    n = V // W
+    pe = VocabParallelEmbedding.from_module(emb)
+    e = pe(ids)
+    e.backward(demb)
+    z = logits[:, r * n:(r + 1) * n].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(z, target)
+    loss.backward(dloss)
+    return {"emb": e.detach(), "emb_grad": pe.weight.grad, "loss": loss.detach(), "dlogits": z.grad,
+            "ids": ids, "logits": logits, "target": target, "dloss": dloss, "demb": demb}
+
+
+def vocab_targets(V: int, tokens: int, W: int, seed: int = 0, ignore: tuple = ()) -> torch.Tensor:
+    """Targets at every shard edge first (ids r·V/W and (r+1)·V/W - 1), then random; ``ignore`` → -100."""
+    edges = [i for r in range(W) for i in (r * V // W, (r + 1) * V // W - 1)]
+    g = torch.Generator().manual_seed(seed + 2)
+    t = torch.randint(0, V, (tokens,), generator=g)
+    t[:min(tokens, len(edges))] = torch.tensor(edges[:tokens])
+    for i in ignore:
+        t[i] = -100
+    return t
+
+
+def timed(kind: str, steps: int = 5, peer: str = "reference", **cfg) -> float:
+    """Best seconds of ``steps`` forward+backward of the reference (or DTensor) parallel ``kind``."""
+    import torch.distributed as dist
+    fn = dtensor_mlp if peer == "dtensor" else parallel
+    args = cfg if peer == "dtensor" else dict(kind=kind, **cfg)
+    best = float("inf")
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn(**args)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def parallel_bad(kind: str, heads: int = 4, d_model: int = 12, S: int = 12, **cfg) -> dict:
+    """Build ``kind`` with a shape the group cannot split (the error tests): must raise ValueError."""
+    return parallel(kind, heads=heads, d_model=d_model, S=S, **cfg)
+
+
+def only_rank0_backward(**cfg) -> None:
+    """A mismatched program: only rank 0 runs the backward, so its f all-reduce has no partner."""
+    m, x, dout = build("mlp", **cfg)
+    pm = ParallelMLP.from_module(m)
+    y = pm(x.clone().requires_grad_())
+    if comm.rank() == 0:
+        y.backward(dout)
+
+
+class _QKVAttention(torch.nn.Module):
+    """Separate q, k, v projections (what DTensor's ColwiseParallel shards by heads) + output projection."""
+
+    def __init__(self, d_model: int, heads: int, local_heads: int):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(d_model, d_model) for _ in range(3))
+        self.proj = torch.nn.Linear(d_model, d_model)
+        self.local_heads = local_heads
+
+    def forward(self, x):
+        from .blocks import attend
+        return self.proj(attend(self.q(x), self.k(x), self.v(x), self.local_heads))
+
+
+def bench(kind: str, peer: str, S: int, d_model: int, heads: int, iters: int = 3) -> float:
+    """Best seconds of one float32 forward + backward of ``kind`` ("mlp" or "attn"), parallel over the
+    world: ``peer`` "reference" (reference.tensor) or "dtensor" (parallelize_module)."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    W = comm.world_size()
+    x = torch.randn(S, 1, d_model)
+    if peer == "reference":
+        full = MLP(d_model, 4 * d_model) if kind == "mlp" else SelfAttention(d_model, heads)
+        m = ParallelMLP.from_module(full) if kind == "mlp" else ParallelSelfAttention.from_module(full)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", (W,))
+        if kind == "mlp":
+            m = parallelize_module(MLP(d_model, 4 * d_model), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        else:
+            m = parallelize_module(_QKVAttention(d_model, heads, heads // W), mesh,
+                                   {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+                                    "proj": RowwiseParallel()})
+    best = float("inf")
+    for _ in range(iters + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        xi = x.clone().requires_grad_()
+        m(xi).square().mean().backward()
+        best = min(best, time.perf_counter() - t0)
+    return best

@@ -1,0 +1,230 @@
+"""reference.mesh.RankGrid: the rank grid of a composed run (lecture 5c).
+
+Golden lists below are written out by hand (from the tp-cp-dp-pp / tp-ep-edp-pp layout drawn in
+the module docstring, and Megatron-Core's documented 16-GPU example), not computed by the
+module's arithmetic.  Invariants are checked on every factorisation of 8, 16 and 64 ranks.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from reference.launch import World
+from reference.mesh import AXES, RankGrid, groups_as_sets
+from reference import compose_demos
+
+
+def S(*groups):
+    return {frozenset(g) for g in groups}
+
+
+# ------------------------------------------------------------------ golden lists, by hand
+
+GOLDEN = [
+    # Megatron-Core's docstring example: 16 GPUs, tp=2, pp=4, dp=2
+    (dict(world_size=16, tp=2, pp=4, dp=2), {
+        "tp": S([0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]),
+        "dp": S([0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]),
+        "pp": S([0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]),
+        "cp": S(*[[r] for r in range(16)]),
+    }),
+    # 8 ranks, 3D: tp=2, dp=2, pp=2
+    (dict(world_size=8, tp=2, dp=2, pp=2), {
+        "tp": S([0, 1], [2, 3], [4, 5], [6, 7]),
+        "dp": S([0, 2], [1, 3], [4, 6], [5, 7]),
+        "pp": S([0, 4], [1, 5], [2, 6], [3, 7]),
+        "dp_cp": S([0, 2], [1, 3], [4, 6], [5, 7]),
+    }),
+    # 8 ranks with context: tp=2, cp=2, dp=2
+    (dict(world_size=8, tp=2, cp=2, dp=2), {
+        "tp": S([0, 1], [2, 3], [4, 5], [6, 7]),
+        "cp": S([0, 2], [1, 3], [4, 6], [5, 7]),
+        "dp": S([0, 4], [1, 5], [2, 6], [3, 7]),
+        "dp_cp": S([0, 2, 4, 6], [1, 3, 5, 7]),
+        "pp": S(*[[r] for r in range(8)]),
+    }),
+    # 16 ranks, 4D: tp=2, cp=2, dp=2, pp=2 (the module docstring's drawing)
+    (dict(world_size=16, tp=2, cp=2, dp=2, pp=2), {
+        "tp": S([0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]),
+        "cp": S([0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]),
+        "dp": S([0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]),
+        "pp": S([0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]),
+    }),
+    # experts, 8 ranks: tp=2, dp=4, ep=2 -> experts split over pairs of dp ranks, replicated across
+    (dict(world_size=8, tp=2, dp=4, ep=2), {
+        "ep": S([0, 2], [1, 3], [4, 6], [5, 7]),
+        "edp": S([0, 4], [1, 5], [2, 6], [3, 7]),
+        "dp": S([0, 2, 4, 6], [1, 3, 5, 7]),
+    }),
+    # experts folded onto context ranks: 4 ranks, cp=2, dp=2, ep=2 (ep groups = cp groups)
+    (dict(world_size=4, cp=2, dp=2, ep=2), {
+        "ep": S([0, 1], [2, 3]),
+        "edp": S([0, 2], [1, 3]),
+        "cp": S([0, 1], [2, 3]),
+        "dp": S([0, 2], [1, 3]),
+    }),
+    # experts across data x context, with pipeline: 8 ranks, cp=2, dp=2, pp=2, ep=4
+    (dict(world_size=8, cp=2, dp=2, pp=2, ep=4), {
+        "ep": S([0, 1, 2, 3], [4, 5, 6, 7]),
+        "edp": S(*[[r] for r in range(8)]),
+        "pp": S([0, 4], [1, 5], [2, 6], [3, 7]),
+    }),
+]
+
+
+@pytest.mark.parametrize("sizes,golden", GOLDEN, ids=lambda v: ",".join(f"{k}{x}" for k, x in v.items())
+                         if isinstance(v, dict) and "world_size" in v else "")
+def test_groups_equal_hand_written_golden_lists(sizes, golden):
+    grid = RankGrid(**sizes)
+    for axis, want in golden.items():
+        assert groups_as_sets(grid.all_groups(axis)) == want, axis
+        for group in want:
+            for r in group:
+                assert set(grid.ranks(axis, r)) == group, (axis, r)
+
+
+def test_coordinates_by_hand():
+    grid = RankGrid(16, tp=2, cp=2, dp=2, pp=2, ep=2)
+    # 13 = 1 + 2·(0 + 2·(1 + 2·1)): tp 1, cp 0, dp 1, pp 1; expert view: 13 = 1 + 2·(0 + 2·(1 + 2·1)) too
+    assert grid.coords(13) == dict(tp=1, cp=0, dp=1, pp=1, ep=0, edp=1)
+    assert grid.coords(6) == dict(tp=0, cp=1, dp=1, pp=0, ep=1, edp=1)
+    assert grid.rank_of(tp=1, cp=0, dp=1, pp=1) == 13
+    assert RankGrid(8, tp=2, dp=4, ep=2, rank=5).coords() == dict(tp=1, cp=0, dp=2, pp=0, ep=0, edp=1)
+
+
+# ------------------------------------------------------------------ invariants on 8, 16, 64 ranks
+
+def factorisations(n):
+    for tp, cp, dp in itertools.product([d for d in range(1, n + 1) if n % d == 0], repeat=3):
+        if n % (tp * cp * dp) == 0:
+            pp = n // (tp * cp * dp)
+            for ep in [e for e in range(1, dp * cp + 1) if dp * cp % e == 0]:
+                yield dict(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+
+
+def groups_by_key(coords, axes_fixed):
+    """Ranks grouped by their coordinates on ``axes_fixed`` (independent of RankGrid's arithmetic)."""
+    out = {}
+    for r, c in enumerate(coords):
+        out.setdefault(tuple(c[a] for a in axes_fixed), []).append(r)
+    return {frozenset(g) for g in out.values()}
+
+
+DENSE = ("tp", "cp", "dp", "pp")
+FIXED = {  # a group on an axis = the ranks that agree on every OTHER coordinate of its grid
+    "tp": ("cp", "dp", "pp"), "cp": ("tp", "dp", "pp"), "dp": ("tp", "cp", "pp"), "pp": ("tp", "cp", "dp"),
+    "ep": ("tp", "edp", "pp"), "edp": ("tp", "ep", "pp"), "dp_cp": ("tp", "pp"),
+}
+
+
+@pytest.mark.parametrize("n", [8, 16, 64])
+def test_invariants_every_factorisation(n):
+    grids = list(factorisations(n))
+    assert len(grids) > 20
+    for sizes in grids:
+        grid = RankGrid(n, **sizes)
+        c = [grid.coords(r) for r in range(n)]
+        assert len({tuple(x[a] for a in DENSE) for x in c}) == n, sizes
+        assert all(grid.rank_of(**{a: c[r][a] for a in DENSE}) == r for r in range(n))
+        for axis in AXES:
+            groups = grid.all_groups(axis)
+            flat = sorted(r for g in groups for r in g)
+            assert flat == list(range(n)), f"{sizes} {axis}: not every rank in exactly one group"
+            assert all(len(g) == grid.sizes[axis] for g in groups), (sizes, axis)
+            assert groups_as_sets(groups) == groups_by_key(c, FIXED[axis]), (sizes, axis)
+            for r in (0, n // 2 + 1, n - 1):
+                assert r in grid.ranks(axis, r) and grid.ranks(axis, r) in groups, (sizes, axis, r)
+        # tensor groups are neighbouring ranks (one node when tp ≤ devices per node)
+        assert all(g == list(range(g[0], g[0] + grid.tp)) for g in grid.all_groups("tp"))
+        # the expert grid shares the pipeline groups (Megatron asserts the same) ...
+        assert groups_by_key(c, ("tp", "ep", "edp")) == groups_as_sets(grid.all_groups("pp"))
+        # ... and is carved out of the data × context ranks: ep × edp tiles each dp_cp group
+        for g in grid.all_groups("dp_cp"):
+            r = g[0]
+            assert set(grid.ranks("ep", r)) | set(grid.ranks("edp", r)) <= set(g)
+            assert len(grid.ranks("ep", r)) * len(grid.ranks("edp", r)) == len(g)
+            assert set(grid.ranks("ep", r)) & set(grid.ranks("edp", r)) == {r}
+
+
+def test_tensor_groups_stay_inside_a_node_pipeline_crosses():
+    grid = RankGrid(64, tp=8, dp=2, pp=4)
+    assert not grid.crosses_nodes("tp", 8)
+    assert grid.crosses_nodes("pp", 8) and grid.crosses_nodes("dp", 8)
+
+
+# ------------------------------------------------------------------ errors
+
+@pytest.mark.parametrize("args,kwargs,words", [
+    ((8,), dict(tp=2, dp=2), ["tp·cp·dp·pp", "= 4", "world_size = 8"]),
+    ((6,), dict(tp=4, dp=2), ["8", "world_size = 6"]),
+    ((8,), dict(dp=2, tp=2, pp=2, ep=4), ["ep=4", "dp·cp = 2·1 = 2"]),
+    ((8,), dict(dp=8, tp=0), ["tp=0"]),
+    ((4,), dict(dp=4, rank=4), ["rank=4"]),
+])
+def test_inconsistent_sizes_raise_value_error_naming_them(args, kwargs, words):
+    with pytest.raises(ValueError) as e:
+        RankGrid(*args, **kwargs)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_unknown_axis_and_missing_rank():
+    grid = RankGrid(4, dp=4)
+    with pytest.raises(ValueError, match="unknown axis 'xp'"):
+        grid.ranks("xp", 0)
+    with pytest.raises(ValueError, match="pass rank="):
+        grid.ranks("dp")
+
+
+def test_text_rendering_shows_groups_and_nodes():
+    text = RankGrid(16, tp=2, cp=2, dp=2, pp=2).render_text(devices_per_node=8)
+    assert "pp stage 1:" in text and "[12 13]" in text
+    assert "tp groups (size 2): {0,1} {2,3}" in text
+    assert " pp groups (size 2): {0,8}" in text and "crosses nodes" in text
+
+
+def test_plot_colours_cells_by_group():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ax = RankGrid(8, tp=2, dp=2, pp=2).plot("dp", devices_per_node=4)
+    img = ax.get_images()[0].get_array()
+    assert img.shape == (4, 2)
+    # dp groups {0,2} {1,3} {4,6} {5,7}: rank 0 (row 0, col 0) and rank 2 (row 1, col 0) share a colour
+    assert img[0, 0] == img[1, 0] and img[0, 0] != img[0, 1] and img[0, 0] != img[2, 0]
+    plt.close(ax.figure)
+
+
+# ------------------------------------------------------------------ a real world
+
+@pytest.fixture(scope="module")
+def world4():
+    with World(4, timeout=60, echo=False) as w:
+        yield w
+
+
+def test_group_all_reduces_over_exactly_its_ranks(world4):
+    grids = [dict(tp=2, pp=2), dict(cp=2, dp=2, ep=2)]      # every axis non-trivial in one of them
+    axes = ["tp", "cp", "dp", "pp", "ep", "edp", "dp_cp"]
+    res = world4.run(compose_demos.group_sums, grids, axes)
+    for r, per_grid in enumerate(res.values):
+        for sizes, got in zip(grids, per_grid):
+            grid = RankGrid(4, **sizes)
+            for axis in axes:
+                want = grid.ranks(axis, r)
+                assert got[axis]["members"] == want, (sizes, axis, r)
+                assert got[axis]["bits"] == sum(2 ** q for q in want), (sizes, axis, r)
+                assert got[axis]["cached"]
+    # traced: one all-reduce per axis per grid on every rank
+    assert sum(1 for e in res.trace if e.op == "all_reduce") == 4 * len(grids) * len(axes)
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=2, pp=2), dict(cp=2, dp=2), dict(tp=2, dp=2)])
+def test_dense_grid_equals_pytorch_device_mesh_pp_dp_cp_tp(world4, sizes):
+    """The production peer: init_device_mesh over (pp, dp, cp, tp), as torchtitan builds it."""
+    res = world4.run(compose_demos.device_mesh_groups, sizes)
+    grid = RankGrid(4, **sizes)
+    for r, groups in enumerate(res.values):
+        for axis, ranks in groups.items():
+            assert ranks == grid.ranks(axis, r), (sizes, axis, r)
