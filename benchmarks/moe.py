@@ -1,77 +1,266 @@
-"""Benchmark for lecture 5b (not a test): expert parallelism on CPU ranks.
+"""Benchmark for lecture 5b (not a test): expert parallelism on CPU ranks, against one process on
+the same cores and against a GShard-style peer.
 
-    .venv/bin/python benchmarks/moe.py [--quick]
+    .venv/bin/python benchmarks/moe.py             # both sizes, 5 interleaved repetitions (minutes)
+    .venv/bin/python benchmarks/moe.py --quick     # small sizes, a few seconds per row
+    .venv/bin/python benchmarks/moe.py --no-peer   # skip fairscale
 
-1. Throughput at equal work: the expert-parallel layer (W ranks × 1 thread, gloo all-to-all)
-   against the common naive implementation — one process looping over the experts
-   (``MoELayer``), with 1 thread and with W threads — on the same W·T tokens, the same routing
-   groups, forward + backward, float32.
+1. Tokens per second, forward + backward (the input's gradient included: the layer sits inside a
+   network), float32, top-2, for the padded (capacity) and the dropless path, at two sizes
+   (d_model 256 / 8 experts / 4096 tokens per rank and d_model 512 / 16 experts / 2048 per rank):
+
+   * ours: :class:`reference.moe.ExpertParallelMoE`, W = 2 ranks × 1 thread, gloo all-to-all;
+   * one process looping over the experts (``MoELayer``) on the same W·T tokens in the same W
+     routing groups, with W threads — the same cores, no communication: the bar (ratio 1.0) —
+     and with 1 thread;
+   * the peer, padded path only: fairscale 0.4.13's ``MOELayer`` + ``Top2Gate`` (GShard), the
+     same 2 ranks × 1 thread, sizes, dtype and capacity, installed on first use into
+     ``benchmarks/.peers/`` (pip --target --no-deps, never committed).  Its second expert is drawn
+     with noise, so only its speed is compared, not its outputs.
+
+   Repetitions are interleaved (ours, one process, peer, ours, ...) and medians compared, so that
+   load drifting on a shared machine hits all alike.  Also printed: gloo's share — the same
+   collectives with the same sizes (check, counts, 2 + 2 all-to-alls, the aux loss's all-reduce)
+   timed alone on the ranks; the rest of a step is computation, ours or the matmuls'.
 2. "Sparse, not just large": compute per token as the number of experts grows from 4 to 64 at
    fixed k.  FLOPs are counted from the routing (2 per multiply-add; dropless, so every token
    runs exactly k experts), time is measured (forward + backward, one process, 1 thread), and
    the parameter count is printed beside them.
 
-Figures vary on a shared machine: quote the ratios.
+How fairscale's capacity differs from ours (``reference.moe.expert_capacity``): its ``top2gating``
+has no capacity factor — C = 2·T/E slots per expert (floor; T must divide by E), which is our
+``ceil(k · cf · T / E)`` with cf = 1, so the peer row runs OUR layer at cf = 1 too.  Like ours,
+first choices take slots before second choices; unlike ours its second choice is the argmax of
+logits + Gumbel noise (not the second most probable expert), its two weights are renormalised
+after dropping (ours before), and it computes every slot, padding included, after a dense
+one-hot dispatch: ``einsum("sec,sm->ecm")`` and ``einsum("sec,ecm->sm")`` cost O(T·E·C·d) =
+O(2·T²·d) per rank, quadratic in the tokens, where an index-based dispatch moves k·T rows.
+
+The ranks import this file as the module ``moe`` (its directory is on ``sys.path``).  Figures
+vary on a shared machine: quote the ratios of one run.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEERS = os.path.join(HERE, ".peers")
+ROOT = os.path.dirname(HERE)
+for p in (HERE, ROOT):
+    if p not in sys.path:
+        sys.path.insert(0, p)
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
-from reference.launch import World  # noqa: E402
-from reference.moe import MoELayer  # noqa: E402
-from reference.moe.workers import time_expert_parallel  # noqa: E402
+from reference import comm  # noqa: E402
+from reference.moe import Expert, ExpertParallelMoE, MoELayer, expert_capacity  # noqa: E402
+
+PEER_PACKAGES = ["fairscale==0.4.13"]
+_STATE: dict = {}            # per process: the layer and inputs of each configuration, built once
 
 
-def time_single_process(cfg: dict, world_size: int, threads: int) -> float:
-    """Seconds per forward + backward of MoELayer over the W ranks' token groups, in one process."""
-    torch.set_num_threads(threads)
+# ----------------------------------------------------------------------------------------------
+# One forward + backward of each contender (ranks for ours and the peer, the caller for the loop)
+
+
+def _tokens(cfg: dict, r: int) -> torch.Tensor:
+    return torch.randn(cfg["tokens"], cfg["d_model"], generator=torch.Generator().manual_seed(100 + r))
+
+
+def _layer(cfg: dict) -> MoELayer:
     torch.manual_seed(cfg.get("seed", 0))
-    layer = MoELayer(cfg["d_model"], cfg["d_ff"], cfg["num_experts"], k=cfg["k"],
-                     capacity_factor=cfg.get("capacity_factor", 1.0), dropless=cfg.get("dropless", False))
-    xs = [torch.randn(cfg["tokens"], cfg["d_model"], generator=torch.Generator().manual_seed(100 + r))
-          for r in range(world_size)]
-    best = float("inf")
-    for _ in range(cfg["iters"] + 1):
-        t0 = time.perf_counter()
-        outs = [layer(x) for x in xs]
-        sum(y.square().mean() + 0.01 * st["aux_loss"] for y, st in outs).backward()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return MoELayer(cfg["d_model"], cfg["d_ff"], cfg["num_experts"], k=2, capacity_factor=cfg["capacity_factor"],
+                    dropless=cfg["dropless"])
+
+
+def ours_step(cfg: dict) -> tuple[float, float, int]:
+    """Rank function: seconds (wall, CPU) of one forward + backward of ExpertParallelMoE on this
+    rank's T tokens, and the rows this rank's experts computed (counted after the clock stops)."""
+    key = ("ours", tuple(sorted(cfg.items())))
+    if key not in _STATE:
+        _STATE[key] = ExpertParallelMoE.from_layer(_layer(cfg)), _tokens(cfg, comm.rank()).requires_grad_()
+    ep, x = _STATE[key]
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    y, st = ep(x)
+    (y.square().mean() + 0.01 * st["aux_loss"]).backward()
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    kept = st["kept_per_expert"].clone()
+    dist.all_reduce(kept)                                   # the group's kept assignments per expert
+    return seconds, cpu, int(kept[ep.first_expert:ep.first_expert + len(ep.experts)].sum())
+
+
+def loop_step(cfg: dict, world_size: int, threads: int) -> float:
+    """Seconds of one forward + backward of MoELayer over the W ranks' token groups, in this process."""
+    key = ("loop", tuple(sorted(cfg.items())), world_size)
+    if key not in _STATE:
+        _STATE[key] = _layer(cfg), [_tokens(cfg, r).requires_grad_() for r in range(world_size)]
+    layer, xs = _STATE[key]
+    torch.set_num_threads(threads)
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = [layer(x) for x in xs]
+    sum(y.square().mean() + 0.01 * st["aux_loss"] for y, st in outs).backward()
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    torch.set_num_threads(1)
+    _STATE.setdefault(("cpu", threads), []).append(cpu)
+    return seconds
+
+
+def peer_step(cfg: dict) -> float:
+    """Rank function: seconds of one forward + backward of fairscale's MOELayer + Top2Gate here.
+
+    Input (E_local, T / E_local, d): fairscale wants the first dimension divisible by the local
+    experts (and T by E); it reshapes to (T, d) anyway.
+    """
+    key = ("peer", tuple(sorted(cfg.items())))
+    if key not in _STATE:
+        _add_peers_to_path()
+        from fairscale.nn.moe import MOELayer, Top2Gate
+        W, E = dist.get_world_size(), cfg["num_experts"]
+        torch.manual_seed(cfg.get("seed", 0) + dist.get_rank())
+        experts = torch.nn.ModuleList(Expert(cfg["d_model"], cfg["d_ff"]) for _ in range(E // W))
+        layer = MOELayer(Top2Gate(cfg["d_model"], E), experts)
+        x = _tokens(cfg, dist.get_rank()).view(E // W, -1, cfg["d_model"]).requires_grad_()
+        _STATE[key] = layer, x
+    layer, x = _STATE[key]
+    dist.barrier()
+    t0 = time.perf_counter()
+    y = layer(x)
+    (y.square().mean() + 0.01 * layer.l_aux).backward()
+    return time.perf_counter() - t0
+
+
+def gloo_step(cfg: dict, rows: int) -> float:
+    """Rank function: the collectives of one forward + backward of ours with the same sizes and
+    nothing else: the input check, the counts, 2 + 2 all-to-alls of ``rows`` rows (equal splits;
+    E·C padded, about k·T dropless), the aux loss's all-reduce."""
+    W, E, d = dist.get_world_size(), cfg["num_experts"], cfg["d_model"]
+    key = ("gloo", tuple(sorted(cfg.items())), rows)
+    if key not in _STATE:
+        _STATE[key] = torch.randn(rows - rows % W, d), torch.zeros(E, dtype=torch.long)
+    buf, counts = _STATE[key]
+    out = torch.empty_like(buf)
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.all_reduce(torch.zeros(3, dtype=torch.long), op=dist.ReduceOp.MIN)
+    if cfg["dropless"]:
+        dist.all_to_all_single(torch.empty_like(counts), counts)
+    else:
+        dist.all_gather([torch.empty_like(counts) for _ in range(W)], counts)
+    for _ in range(4):
+        dist.all_to_all_single(out, buf)
+    dist.all_reduce(torch.zeros(2 * E + 1))
+    return time.perf_counter() - t0
+
+
+def clear_state() -> None:
+    """Rank function (and local): drop the cached layers and inputs."""
+    _STATE.clear()
+
+
+def slowest(values) -> float:
+    """A step takes as long as its slowest rank."""
+    return max(values)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Throughput
+
+
+def _install_peer(install: bool) -> bool:
+    _add_peers_to_path()
+    try:
+        import fairscale.nn.moe  # noqa: F401
+        return True
+    except ImportError:
+        if not install:
+            return False
+    print(f"installing {' '.join(PEER_PACKAGES)} into {PEERS} ...", flush=True)
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", PEERS, *PEER_PACKAGES])
+    if r.returncode != 0:
+        print("could not install the peer; skipping it")
+        return False
+    import importlib
+    importlib.invalidate_caches()
+    return True
+
+
+def _add_peers_to_path() -> None:
+    if PEERS not in sys.path:
+        sys.path.append(PEERS)    # last: fairscale's wheel also ships a top-level package "benchmarks"
+
+
+def throughput(world, cfg: dict, reps: int, peer: bool) -> list[dict]:
+    """Interleaved repetitions of every contender at one size; medians and ratios printed."""
+    W, results = world.world_size, []
+    n = W * cfg["tokens"]
+    print(f"\n1. d_model={cfg['d_model']}, d_ff={cfg['d_ff']}, E={cfg['num_experts']}, top-2, "
+          f"{W}×{cfg['tokens']} tokens, float32, forward + backward, median of {reps} interleaved repetitions")
+    modes = [("capacity", dict(cfg, dropless=False, capacity_factor=1.25)),
+             ("dropless", dict(cfg, dropless=True, capacity_factor=1.25))]
+    if peer:
+        modes.append(("cf=1 (peer's C)", dict(cfg, dropless=False, capacity_factor=1.0)))
+    for name, c in modes:
+        rows_per_rank = [rows for _, _, rows in world.run(ours_step, c, timeout=900).values]   # warm-up
+        ours_cpu = []
+
+        def ours(c=c):
+            vals = world.run(ours_step, c, timeout=900).values
+            ours_cpu.append(sum(cpu for _, cpu, _ in vals))
+            return slowest(s for s, _, _ in vals)
+
+        contenders = {"ours": ours,
+                      "loop W threads": lambda c=c: loop_step(c, W, W),
+                      "loop 1 thread": lambda c=c: loop_step(c, W, 1)}
+        if name.startswith("cf=1"):
+            contenders = {"ours": contenders["ours"], "loop W threads": contenders["loop W threads"],
+                          "fairscale": lambda c=c: slowest(world.run(peer_step, c, timeout=900).values)}
+        for k, f in contenders.items():                 # warm-up: build, first-touch allocations
+            if k != "ours":                             # (ours warmed up above)
+                f()
+        times = {k: [] for k in contenders}
+        for _ in range(reps):
+            for k, f in contenders.items():
+                times[k].append(f())
+        med = {k: statistics.median(v) for k, v in times.items()}
+        loop_cpu = _STATE.get(("cpu", 1), [])[1:]          # 1-thread loop, warm-up left out
+        sent = 2 * c["tokens"] if c["dropless"] else c["num_experts"] * expert_capacity(
+            c["tokens"], c["num_experts"], 2, c["capacity_factor"])
+        gloo = statistics.median(slowest(world.run(gloo_step, c, sent).values) for _ in range(reps))
+        world.run(clear_state)
+        clear_state()
+        ours = med["ours"]
+        busiest = max(rows_per_rank) / statistics.mean(rows_per_rank)
+        print(f"   {name:16s} {f'ours, {W} ranks × 1 thread':31s}: {n / ours:9.0f} tok/s   "
+              f"(gloo alone: {gloo * 1e3:6.1f} ms of {ours * 1e3:7.1f} ms per step = {gloo / ours:5.1%}; "
+              f"busiest rank computes {busiest - 1:5.1%} more rows than the mean)")
+        if loop_cpu:
+            print(f"   {name:16s} CPU time, ours summed over ranks ÷ loop on 1 thread = "
+                  f"{statistics.median(ours_cpu) / statistics.median(loop_cpu):5.2f}×  (the work EP adds, "
+                  f"robust to load; ≈ 1 + what the {W} ranks do beyond the loop)")
+        for k, v in med.items():
+            if k != "ours":
+                label = {"loop W threads": f"one process, loop, {W} threads",
+                         "loop 1 thread": "one process, loop, 1 thread",
+                         "fairscale": f"fairscale MOELayer {W} ranks × 1"}[k]
+                print(f"   {name:16s} {label:31s}: {n / v:9.0f} tok/s   ours ÷ this = {v / ours:5.2f}×")
+        results.append({"mode": name, **med, "gloo": gloo})
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Compute per token as experts grow
 
 
 def flops_per_token(d_model: int, d_ff: int, num_experts: int, k: int) -> tuple[int, int]:
     """Forward FLOPs per token: (experts, router).  An expert: two matmuls, d·d_ff MACs each."""
     return k * 2 * (2 * d_model * d_ff), 2 * d_model * num_experts
-
-
-def throughput(args) -> None:
-    W = args.ranks
-    cfg = dict(d_model=args.d_model, d_ff=args.d_ff, num_experts=8, k=2, capacity_factor=1.25,
-               tokens=args.tokens, iters=args.iters)
-    print(f"\n1. Tokens per second, forward + backward, E=8 experts, top-2, capacity factor 1.25, "
-          f"d_model={cfg['d_model']}, d_ff={cfg['d_ff']}, {W}×{cfg['tokens']} tokens, float32")
-    with World(W, timeout=600, echo=False, record=False) as world:   # no trace: time the layer only
-        for dropless in (False, True):
-            c = dict(cfg, dropless=dropless)
-            res = world.run(time_expert_parallel, c, timeout=600)
-            ep = max(v["seconds"] for v in res.values)
-            one = time_single_process(c, W, 1)
-            many = time_single_process(c, W, W)
-            n = W * c["tokens"]
-            mode = "dropless" if dropless else "capacity"
-            print(f"   {mode:9s} expert-parallel {W} ranks × 1 thread : {n / ep:10.0f} tok/s")
-            print(f"   {mode:9s} one process, loop over experts, 1 thread : {n / one:10.0f} tok/s"
-                  f"   (EP tokens/s ÷ this = {one / ep:.2f})")
-            print(f"   {mode:9s} one process, loop over experts, {W} threads: {n / many:10.0f} tok/s"
-                  f"   (EP tokens/s ÷ this = {many / ep:.2f})")
-    torch.set_num_threads(1)
 
 
 def sparse_scaling(args) -> None:
@@ -114,22 +303,36 @@ def sparse_scaling(args) -> None:
           f"{'yes' if abs(u1 / u0 - 1) <= 0.15 else 'no'})")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
+    ap.add_argument("--quick", action="store_true", help="small sizes, a few seconds per row")
+    ap.add_argument("--no-peer", action="store_true", help="do not run fairscale")
+    ap.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 5, --quick 3)")
     ap.add_argument("--ranks", type=int, default=2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    reps = args.reps or (3 if args.quick else 5)
     if args.quick:
-        args.d_model, args.d_ff, args.tokens, args.iters = 128, 512, 1024, 2
-        args.scaling_tokens, args.experts, args.rounds = 8192, [4, 16, 64], 3
+        sizes = [dict(d_model=128, d_ff=512, num_experts=8, tokens=1024)]
+        args.d_model, args.d_ff, args.scaling_tokens, args.experts, args.rounds = 128, 512, 8192, [4, 16, 64], 3
     else:
-        args.d_model, args.d_ff, args.tokens, args.iters = 256, 1024, 4096, 3
-        args.scaling_tokens, args.experts, args.rounds = 8192, [4, 8, 16, 32, 64], 4
+        sizes = [dict(d_model=256, d_ff=1024, num_experts=8, tokens=4096),
+                 dict(d_model=512, d_ff=2048, num_experts=16, tokens=2048)]
+        args.d_model, args.d_ff, args.scaling_tokens, args.experts, args.rounds = 256, 1024, 8192, [4, 8, 16, 32, 64], 4
+    peer = (not args.no_peer) and _install_peer(install=True)
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} "
-          "(part 1 is wall-clock: other load on the machine slows it)")
-    throughput(args)
+          "(part 1 is wall-clock: other load on the machine slows it; compare the ratios)")
+    from reference.launch import World
+    torch.set_num_threads(1)
+    with World(args.ranks, timeout=900, echo=True, record=False) as world:   # no trace: time the layer only
+        for size in sizes:
+            throughput(world, size, reps, peer)
+    print("\n   gloo alone = the same collectives, same sizes, no computation: what is gloo's.  The rest of 'ours'"
+          " is computation (the experts' matmuls dominate) and waiting for the busiest rank: routing decides how"
+          " many rows each rank's experts get, while one process splits every matmul evenly over its threads")
     sparse_scaling(args)
 
 
 if __name__ == "__main__":
-    main()
+    # Run as the module ``moe`` so that the ranks can import the rank functions by name.
+    import importlib
+    importlib.import_module("moe").main()

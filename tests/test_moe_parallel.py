@@ -21,6 +21,8 @@ CASES = {
     "top2_cf0.5_drops": (dict(num_experts=8, k=2, capacity_factor=0.5), True),
     "top2_cf4_keeps_all": (dict(num_experts=8, k=2, capacity_factor=4.0), False),
     "top2_cf1.25_large_logits": (dict(num_experts=8, k=2, capacity_factor=1.25, scale=20.0), True),
+    # every token wants experts 0 and 1 (rank 0's): the other ranks' experts get no row, forward or backward
+    "top2_cf1_skewed_idle_ranks": (dict(num_experts=8, k=2, capacity_factor=1.0, hot_experts=[0, 1]), True),
     "dropless_top2_skewed_uneven_T": (dict(num_experts=8, k=2, dropless=True, hot_experts=[0, 1], uneven=3), False),
     "dropless_top1_skewed": (dict(num_experts=8, k=1, dropless=True, hot_experts=[5]), False),
     "dropless_top2_balanced": (dict(num_experts=8, k=2, dropless=True), False),
@@ -117,6 +119,23 @@ def test_dropped_tokens_output_exactly_zero_and_dispatch_sends_min_count_capacit
         # padded: every destination gets E_local·C rows, whatever the routing
         assert ev[0].meta["send_splits"] == [8 // W * C] * W
     assert sum(int((~v["kept"].any(-1)).sum()) for v in res.values) > 0
+
+
+@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("name", ["top2_cf0.5_drops", "top2_cf1_skewed_idle_ranks"])
+def test_padded_experts_compute_the_filled_slots_only(results, W, name):
+    """Padding is sent (fixed message size) but not computed: each rank's experts run on the
+    assignments kept for them, announced by one all-gather of counts."""
+    res = results(W, name)
+    vals = res.values
+    E_local = 8 // W
+    kept = sum(v["kept_per_expert"] for v in vals)                        # (E,) over the group
+    for v in vals:
+        r = v["rank"]
+        (ev,) = res.trace.filter(op="compute", rank=r, what="experts")
+        assert ev.meta["tokens_per_expert"] == kept[r * E_local:(r + 1) * E_local].tolist()
+        assert len(res.trace.filter(op="all_gather", rank=r, what="counts")) == 1
+    assert sum(int(v["dispatched"]) for v in vals) < 8 * vals[0]["capacity"] * W   # some padding exists
 
 
 def test_skewed_dropless_routing_leaves_rank_pairs_that_send_nothing(results):

@@ -7,7 +7,7 @@ tokens, expert parallelism over all-to-all, and gradient synchronisation with da
                differentiable all-to-all, ExpertParallelMoE
     grad_sync  sync_moe_gradients: expert parallelism combined with data parallelism
     demos      worker functions for the lecture notebook and the grader's oracles
-    workers    rank functions the tests and benchmarks/moe.py run (EP vs single process, EP×DP)
+    workers    rank functions the tests run (EP vs single process, EP×DP)
 
 Read them in that order.
 """

@@ -201,31 +201,3 @@ def ep_bad_input(kinds: list[str]) -> list[str]:
         except Exception as e:  # noqa: BLE001 - the caller checks the type
             raised.append(type(e).__name__)
     return raised
-
-
-def time_expert_parallel(cfg: dict) -> dict:
-    """Benchmark rank function: forward + backward of ExpertParallelMoE on this rank's T tokens,
-    ``cfg["iters"]`` times after one warm-up; returns this rank's seconds per iteration (the
-    caller takes the slowest rank) and the bytes it sent in dispatch/combine all-to-alls."""
-    import time
-
-    torch.manual_seed(cfg.get("seed", 0))
-    layer = MoELayer(cfg["d_model"], cfg["d_ff"], cfg["num_experts"], k=cfg["k"],
-                     capacity_factor=cfg.get("capacity_factor", 1.0), dropless=cfg.get("dropless", False))
-    ep = ExpertParallelMoE.from_layer(layer)
-    gen = torch.Generator().manual_seed(100 + comm.rank())
-    x = torch.randn(cfg["tokens"], cfg["d_model"], generator=gen)
-    times = []
-    for i in range(cfg["iters"] + 1):
-        dist_barrier()
-        t0 = time.perf_counter()
-        y, st = ep(x)
-        (y.square().mean() + 0.01 * st["aux_loss"]).backward()
-        times.append(time.perf_counter() - t0)
-    return {"seconds": min(times[1:]), "dropped": st["dropped"], "capacity": st["capacity"]}
-
-
-def dist_barrier() -> None:
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.barrier()
