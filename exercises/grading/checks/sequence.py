@@ -758,7 +758,7 @@ HINTS = {
     "5a.1": [
         "Each side's weight is its share of the softmax mass, e^{lse_a} / (e^{lse_a} + e^{lse_b}). Think about what "
         "e^{lse} does when the logits are large, and what a fully masked side (lse = -inf) must contribute.",
-        "Never compute e^{lse} itself: subtract m = torch.maximum(lse_a, lse_b) first, so every exponent is <= 0. "
+        "Never compute e^{lse} itself: subtract the larger of the two log-sum-exps first, so every exponent is <= 0. "
         "lse has no head_dim axis: unsqueeze(-1) the weights before multiplying out_a and out_b.",
         "lse = m + log(e^{lse_a - m} + e^{lse_b - m}); out = e^{lse_a - lse}·out_a + e^{lse_b - lse}·out_b. Where "
         "both sides are -inf, m is -inf too: replace it by 0 before subtracting, so the weights come out 0, not NaN.",
