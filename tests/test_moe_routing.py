@@ -187,3 +187,38 @@ def test_gshard_random_routing_drops_unchosen_second_experts_and_frees_their_slo
     for e in range(4):   # slots of each expert are 0..n-1 over the kept assignments
         s = rr["slot"][(rr["expert_index"] == e) & rr["kept"]]
         assert sorted(s.tolist()) == list(range(len(s)))
+
+
+# --- lecture 5b §7: dense (GShard einsum) vs index dispatch ---------------------------------------
+
+@pytest.mark.parametrize("tokens,experts,cf", [(64, 4, 1.0), (96, 8, 0.5), (50, 3, 2.0)])
+def test_dense_einsum_dispatch_equals_index_dispatch(tokens, experts, cf):
+    from reference.moe.dense_dispatch import (dense_dispatch_combine, index_dispatch_combine,
+                                              random_routing)
+    k = 2
+    capacity = math.ceil(k * cf * tokens / experts)
+    r = random_routing(tokens, experts, k, capacity, seed=3)
+    # every kept slot is unique and inside the buffers; drops happen when cf < 1
+    where = r["expert"] * capacity + r["slot"]
+    assert where.unique().numel() == where.numel() and int(r["slot"].max()) < capacity
+    if cf < 1:
+        assert r["token"].numel() < k * tokens
+    x = torch.randn(tokens, 16, dtype=torch.float64) * 30
+    fn = lambda b: torch.sin(b) * 2 + b                                    # noqa: E731
+    bd, yd = dense_dispatch_combine(x, r, experts, capacity, fn)
+    bi, yi = index_dispatch_combine(x, r, experts, capacity, fn)
+    torch.testing.assert_close(bi, bd, rtol=0, atol=1e-12)
+    torch.testing.assert_close(yi, yd, rtol=0, atol=1e-10)
+    # ground truth by a loop over the kept assignments
+    y = torch.zeros_like(x)
+    for t, e, w in zip(r["token"].tolist(), r["expert"].tolist(), r["weight"].tolist()):
+        y[t] += w * fn(x[t])
+    torch.testing.assert_close(yi, y, rtol=0, atol=1e-10)
+
+
+def test_dense_vs_index_counts():
+    from reference.moe.dense_dispatch import dense_vs_index
+    r = dense_vs_index(tokens=128, num_experts=4, d_model=8, k=2, reps=1)
+    assert r["capacity"] == 64 and r["max_diff"] < 1e-5
+    assert r["dense_flops"] == 2 * 2 * 128 * 4 * 64 * 8
+    assert r["index_elements"] == 2 * r["kept"] * 8
