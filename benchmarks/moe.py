@@ -44,12 +44,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PEERS = os.path.join(HERE, ".peers")
 ROOT = os.path.dirname(HERE)
 for p in (HERE, ROOT):
     if p not in sys.path:
@@ -57,6 +55,8 @@ for p in (HERE, ROOT):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+import peers  # noqa: E402  (benchmarks/peers.py)
 
 from reference import comm  # noqa: E402
 from reference.moe import Expert, ExpertParallelMoE, MoELayer, expert_capacity  # noqa: E402
@@ -174,26 +174,11 @@ def slowest(values) -> float:
 
 
 def _install_peer(install: bool) -> bool:
-    _add_peers_to_path()
-    try:
-        import fairscale.nn.moe  # noqa: F401
-        return True
-    except ImportError:
-        if not install:
-            return False
-    print(f"installing {' '.join(PEER_PACKAGES)} into {PEERS} ...", flush=True)
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", PEERS, *PEER_PACKAGES])
-    if r.returncode != 0:
-        print("could not install the peer; skipping it")
-        return False
-    import importlib
-    importlib.invalidate_caches()
-    return True
+    return peers.ensure("fairscale.nn.moe", PEER_PACKAGES, install=install, first=False)
 
 
 def _add_peers_to_path() -> None:
-    if PEERS not in sys.path:
-        sys.path.append(PEERS)    # last: fairscale's wheel also ships a top-level package "benchmarks"
+    peers.add_to_path(first=False)    # last: fairscale's wheel also ships a top-level package "benchmarks"
 
 
 def throughput(world, cfg: dict, reps: int, peer: bool) -> list[dict]:

@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PEERS = os.path.join(HERE, ".peers")
 ROOT = os.path.dirname(HERE)
 for p in (HERE, ROOT):
     if p not in sys.path:
@@ -37,6 +35,8 @@ for p in (HERE, ROOT):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+import peers  # noqa: E402  (benchmarks/peers.py)
 
 PEER_PACKAGES = ["ring-attention-pytorch==0.5.20", "einops", "beartype", "jaxtyping", "wadler_lindig"]
 
@@ -89,8 +89,7 @@ def ring_comm_only_worker(S, H, D, repeats):
 
 def peer_bench_worker(S, H, D, causal, repeats, seed=0):
     """Per-iteration seconds of ring-attention-pytorch's ring_flash_attn, forward+backward."""
-    if PEERS not in sys.path:
-        sys.path.insert(0, PEERS)
+    peers.add_to_path()
     from ring_attention_pytorch import ring_flash_attn
     q, k, v, dout = _local_inputs(S, H, D, seed, layout_dims="bshd")
     times = []
@@ -106,8 +105,7 @@ def peer_bench_worker(S, H, D, causal, repeats, seed=0):
 
 def peer_check_worker(S, H, D, causal):
     """The peer's output on a small problem, this rank's shard (striped when causal)."""
-    if PEERS not in sys.path:
-        sys.path.insert(0, PEERS)
+    peers.add_to_path()
     from ring_attention_pytorch import ring_flash_attn
     from reference.sequence import shard_sequence
     W, r = dist.get_world_size(), dist.get_rank()
@@ -191,21 +189,7 @@ def exposed_comm(trace, rank):
 
 
 def ensure_peer(install: bool) -> bool:
-    try:
-        sys.path.insert(0, PEERS)
-        import ring_attention_pytorch  # noqa: F401
-        return True
-    except ImportError:
-        if not install:
-            return False
-    print(f"installing {' '.join(PEER_PACKAGES)} into {PEERS} ...", flush=True)
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", PEERS, *PEER_PACKAGES])
-    if r.returncode != 0:
-        print("could not install the peer; skipping it")
-        return False
-    import importlib
-    importlib.invalidate_caches()
-    return True
+    return peers.ensure("ring_attention_pytorch", PEER_PACKAGES, install=install)
 
 
 def main(argv=None):
