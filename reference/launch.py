@@ -119,11 +119,13 @@ def _check_callable(fn: Callable) -> None:
         raise ValueError(f"run_world needs a function, got {type(fn).__name__}")
     module = getattr(fn, "__module__", None)
     main = sys.modules.get("__main__")
-    if module == "__main__" and getattr(main, "__file__", None) is None:
+    main_file = getattr(main, "__file__", None)            # "<stdin>" for `python -`
+    if module == "__main__" and (main_file is None or not os.path.isfile(main_file)):
         raise ValueError(
-            f"{getattr(fn, '__qualname__', fn)!r} is defined in a notebook cell or an interactive "
-            "session; each rank is a fresh process and can only import functions from a module. "
-            "Put it in a .py file (e.g. my_workers.py next to the notebook) and import it.")
+            f"{getattr(fn, '__qualname__', fn)!r} is defined in a notebook cell, an interactive session, "
+            "`python -c` or a script read from standard input; each rank is a fresh process and can only "
+            "import functions from a file. Put it in a .py file (e.g. my_workers.py next to the notebook) "
+            "and import it, or save your script as a file and run `python my_script.py`.")
     if "<lambda>" in getattr(fn, "__qualname__", "") or "<locals>" in getattr(fn, "__qualname__", ""):
         raise ValueError(
             f"{fn.__qualname__!r} is a lambda or a nested function; ranks can only import "
@@ -132,6 +134,34 @@ def _check_callable(fn: Callable) -> None:
         pickle.dumps(fn)
     except Exception as e:
         raise ValueError(f"the ranks cannot receive {fn!r}: it does not pickle ({e})") from e
+
+
+def _main_path(fn: Callable) -> str | None:
+    """The script file a function defined in ``__main__`` lives in (ranks load it, see below)."""
+    if getattr(fn, "__module__", None) != "__main__":
+        return None
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return os.path.abspath(path) if path else None
+
+
+def _load_main(path: str | None) -> None:
+    """In a rank: make ``__main__`` the caller's script, as multiprocessing's spawn does.
+
+    The file runs once per rank under the name ``__mp_main__`` (so its ``if __name__ ==
+    "__main__":`` block does not run again), and ``sys.modules["__main__"]`` points at it, so that
+    pickled references like ``__main__.work`` resolve.  Its folder joins ``sys.path`` for its imports.
+    """
+    if path is None or getattr(sys.modules.get("__mp_main__"), "__file__", None) == path:
+        return
+    import runpy
+    import types
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module = types.ModuleType("__mp_main__")
+    module.__file__ = path
+    module.__dict__.update(runpy.run_path(path, run_name="__mp_main__"))
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
 
 
 def _dumps_args(args: tuple, kwargs: dict) -> bytes:
@@ -289,7 +319,7 @@ class World:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.start()
         t0 = time.perf_counter()
-        task = pickle.dumps(("run", fn, payload, self.record))
+        task = pickle.dumps(("run", pickle.dumps(fn), payload, self.record, _main_path(fn)))
         for c in self._conns:
             c.send_bytes(task)
         out: list[str] = []
@@ -660,10 +690,12 @@ def _rank_main(rank: int, fd: int, cfg: dict) -> None:
             break
         if msg[0] == "stop":
             break
-        _, fn, payload, record = msg
+        _, fn, payload, record, main_path = msg
         if record:
             _trace.start(rank)
         try:
+            _load_main(main_path)
+            fn = pickle.loads(fn)
             args, kwargs = pickle.loads(payload)
             value = fn(*args, **kwargs)
             events = list(_trace.stop()) if record else []
