@@ -24,21 +24,7 @@ CASES = [(1, "mlp", "adamw", 1.0), (2, "mlp", "sgd", 1.0), (2, "block", "adamw",
 
 
 @pytest.fixture(scope="module")
-def worlds():
-    started = {}
-
-    def get(W):
-        if W not in started:
-            started[W] = World(W, timeout=60, echo=False).start()
-        return started[W]
-
-    yield get
-    for w in started.values():
-        w.close()
-
-
-@pytest.fixture(scope="module")
-def runs(worlds):
+def runs(world):
     cache = {}
 
     def get(W, method, kind="mlp", opt="adamw", **kw):
@@ -47,7 +33,7 @@ def runs(worlds):
             if method == "single":
                 cache[key] = workers.train("single", kind, opt, world_size=W, **kw)
             else:
-                cache[key] = worlds(W).run(workers.train, method, kind, opt, **kw)
+                cache[key] = world(W).run(workers.train, method, kind, opt, **kw)
         return cache[key]
 
     return get
@@ -209,14 +195,14 @@ def test_memory_per_rank_is_the_formula(runs, W):
 # Buckets and overlap
 
 
-def test_buckets_reverse_order_greedy_cap_tied_once_frozen_skipped(worlds):
+def test_buckets_reverse_order_greedy_cap_tied_once_frozen_skipped(world):
     # TinyMLP in reverse registration order: proj.bias(6) proj.weight(60) hidden.1.0.bias(10)
     # hidden.1.0.weight(100) hidden.0.0.bias(10) hidden.0.0.weight(60) inp.bias(6) inp.weight(36, tied)
     cap = 600 / 2 ** 20    # 600 bytes = 75 float64
-    layout = worlds(2).run(workers.bucket_layout, cap).values[0]
+    layout = world(2).run(workers.bucket_layout, cap).values[0]
     assert layout == [["proj.bias", "proj.weight"], ["hidden.1.0.bias"], ["hidden.1.0.weight"],
                       ["hidden.0.0.bias", "hidden.0.0.weight"], ["inp.bias", "inp.weight"]]
-    one = worlds(2).run(workers.bucket_layout, 25.0).values[0]
+    one = world(2).run(workers.bucket_layout, 25.0).values[0]
     assert len(one) == 1 and len(one[0]) == 8 and "out.weight" not in one[0] and "scale" not in one[0]
 
 
@@ -231,10 +217,10 @@ def test_overlap_is_real_a_bucket_all_reduce_starts_before_the_last_gradient(run
         assert min(e.start for e in late.trace.filter("all_reduce", rank=r, what="grads")) > last
 
 
-def test_a_parameter_unused_on_some_ranks_does_not_hang_and_its_gradient_is_the_mean(worlds):
+def test_a_parameter_unused_on_some_ranks_does_not_hang_and_its_gradient_is_the_mean(world):
     from torch.nn import functional as F
     W = 3
-    vals = worlds(W).run(workers.unused_on_some_ranks).values
+    vals = world(W).run(workers.unused_on_some_ranks).values
     torch.manual_seed(0)
     model = workers.Branchy().double()
     loss = sum(F.mse_loss(model(workers.batch("mlp", 0, 0, 0, r, d=4)[0], use_b=r == 0),
@@ -250,9 +236,9 @@ def test_a_parameter_unused_on_some_ranks_does_not_hang_and_its_gradient_is_the_
 
 
 @pytest.mark.parametrize("method", ["ddp", "zero2", "fsdp"])
-def test_a_rank_with_a_different_model_gets_value_error_on_every_rank_naming_it(worlds, method):
+def test_a_rank_with_a_different_model_gets_value_error_on_every_rank_naming_it(world, method):
     with pytest.raises(WorldError) as ei:
-        worlds(3).run(workers.mismatched_model, method)
+        world(3).run(workers.mismatched_model, method)
     err = ei.value
     assert err.kind == "exception" and all(f.exc_type == "ValueError" for f in err.failures.values())
     assert "rank(s) 1 " in str(err) or "rank(s) 1 " in next(iter(err.failures.values())).message

@@ -29,32 +29,18 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def worlds():
-    started = {}
-
-    def get(W):
-        if W not in started:
-            started[W] = World(W, timeout=60, echo=False).start()
-        return started[W]
-
-    yield get
-    for w in started.values():
-        w.close()
-
-
 def close(a, b, what):
     torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
 
 
 @pytest.fixture(scope="module")
-def results(worlds):
+def results(world):
     """Run every case once per world size (each run costs milliseconds once ranks are up)."""
     cache = {}
 
     def get(W, name):
         if (W, name) not in cache:
-            cache[W, name] = worlds(W).run(workers.ep_vs_single, CASES[name][0])
+            cache[W, name] = world(W).run(workers.ep_vs_single, CASES[name][0])
         return cache[W, name]
 
     return get
@@ -161,9 +147,9 @@ def test_trace_has_route_events_and_forward_backward_all_to_alls(results):
 
 
 @pytest.mark.parametrize("W", [1, 2, 4])
-def test_all_to_all_backward_is_its_adjoint(worlds, W):
+def test_all_to_all_backward_is_its_adjoint(world, W):
     splits = {1: [[3]], 2: [[2, 0], [1, 4]], 4: [[1, 0, 2, 3], [0, 0, 0, 5], [2, 2, 0, 1], [3, 0, 1, 0]]}[W]
-    res = worlds(W).run(workers.all_to_all_adjoint, splits, 3)
+    res = world(W).run(workers.all_to_all_adjoint, splits, 3)
     vals = res.values
     lhs = sum(v["Ax_dot_g"] for v in vals)
     rhs = sum(v["x_dot_ATg"] for v in vals)
@@ -177,9 +163,9 @@ def test_all_to_all_backward_is_its_adjoint(worlds, W):
         close(vals[t]["Ax"], torch.cat(want), f"rank {t} received rows")
 
 
-def test_bad_input_on_one_rank_raises_value_error_on_every_rank(worlds):
+def test_bad_input_on_one_rank_raises_value_error_on_every_rank(world):
     kinds = ["wrong_width", "unequal_tokens", "uneven_experts"]
-    res = worlds(2).run(workers.ep_bad_input, kinds, timeout=20)
+    res = world(2).run(workers.ep_bad_input, kinds, timeout=20)
     for r, raised in enumerate(res.values):
         assert raised == ["ValueError"] * 3, f"rank {r}: {dict(zip(kinds, raised))}"
     assert not res.trace.filter(op="all_to_all")     # nothing was dispatched
@@ -193,10 +179,10 @@ def test_bad_input_on_one_rank_raises_value_error_on_every_rank(worlds):
 STEP = dict(num_experts=8, k=2, capacity_factor=1.0, tokens=8, d_model=4, d_ff=6, scale=3.0, c_aux=0.5, c_z=0.05)
 
 
-def run_step(worlds, N, cfg):
+def run_step(world, N, cfg):
     """Run one step on N ranks; the 8-rank world is started for its one call and closed at once."""
     if N <= 4:
-        return worlds(N).run(workers.ep_dp_grad_sync, cfg)
+        return world(N).run(workers.ep_dp_grad_sync, cfg)
     with World(N, timeout=90, echo=False) as w:
         return w.run(workers.ep_dp_grad_sync, cfg)
 
@@ -211,41 +197,41 @@ def assert_step_matches(vals, what=""):
 
 
 @pytest.mark.parametrize("ep,dp", [(2, 1), (2, 2), (4, 1), (4, 2)])
-def test_ep_dp_step_gives_single_process_gradients_of_mean_task_plus_aux_plus_z(worlds, ep, dp):
-    res = run_step(worlds, ep * dp, dict(STEP, ep_size=ep, aux="global"))
+def test_ep_dp_step_gives_single_process_gradients_of_mean_task_plus_aux_plus_z(world, ep, dp):
+    res = run_step(world, ep * dp, dict(STEP, ep_size=ep, aux="global"))
     assert_step_matches(res.values, f"EP={ep} DP={dp}: ")
     for v in res.values:   # the balance loss is the whole batch's, on every rank
         assert abs(v["aux"] - v["truth_aux"]) < 1e-12
 
 
 @pytest.mark.parametrize("kind", ["ep", "local"])
-def test_ep_dp_step_with_per_ep_group_or_per_routing_group_balance_loss(worlds, kind):
-    res = worlds(4).run(workers.ep_dp_grad_sync, dict(STEP, ep_size=2, aux=kind))
+def test_ep_dp_step_with_per_ep_group_or_per_routing_group_balance_loss(world, kind):
+    res = world(4).run(workers.ep_dp_grad_sync, dict(STEP, ep_size=2, aux=kind))
     assert_step_matches(res.values, f"aux over {kind}: ")
 
 
 @pytest.mark.parametrize("ep,dp", [(2, 2), (4, 1)])
-def test_back_propagating_the_bare_balance_loss_weakens_it_to_alpha_over_group_size(worlds, ep, dp):
+def test_back_propagating_the_bare_balance_loss_weakens_it_to_alpha_over_group_size(world, ep, dp):
     """The bug the layer avoids: with only the balance loss (no task, no z), the router gradient of a
     step that back-propagates load_balancing_loss as it is comes out exactly 1/N of the truth."""
     cfg = dict(STEP, ep_size=ep, aux="global", c_task=0.0, c_z=0.0)
-    vals = worlds(ep * dp).run(workers.ep_dp_grad_sync, dict(cfg, naive_aux=True)).values
+    vals = world(ep * dp).run(workers.ep_dp_grad_sync, dict(cfg, naive_aux=True)).values
     N = ep * dp
     for r, v in enumerate(vals):
         assert v["truth_router"].abs().max() > 1e-3           # the aux gradient is not negligible
         close(v["router_grad"], v["truth_router"] / N, f"rank {r}: naive router gradient = truth / N")
-    assert_step_matches(worlds(ep * dp).run(workers.ep_dp_grad_sync, cfg).values, "aux only: ")
+    assert_step_matches(world(ep * dp).run(workers.ep_dp_grad_sync, cfg).values, "aux only: ")
 
 
 @pytest.mark.parametrize("cfg", [dict(num_experts=8, k=2, capacity_factor=1.0),
                                  dict(num_experts=4, k=1, dropless=True)])
-def test_ep_dp_gradients_equal_single_process_mean_of_rank_losses(worlds, cfg):
-    res = worlds(4).run(workers.ep_dp_grad_sync, cfg, "dp")
+def test_ep_dp_gradients_equal_single_process_mean_of_rank_losses(world, cfg):
+    res = world(4).run(workers.ep_dp_grad_sync, cfg, "dp")
     assert_step_matches(res.values)
 
 
-def test_dividing_expert_gradients_by_the_expert_dp_size_is_off_by_the_ep_size(worlds):
-    res = worlds(4).run(workers.ep_dp_grad_sync, dict(num_experts=8, k=2, capacity_factor=1.0), "expert_dp")
+def test_dividing_expert_gradients_by_the_expert_dp_size_is_off_by_the_ep_size(world):
+    res = world(4).run(workers.ep_dp_grad_sync, dict(num_experts=8, k=2, capacity_factor=1.0), "expert_dp")
     for r, v in enumerate(res.values):
         close(v["router_grad"], v["truth_router"], f"rank {r} router gradient")   # dense grads unaffected
         for got, want in zip(v["expert_grads"], v["truth_experts"]):

@@ -61,22 +61,6 @@ def ring_unshard(layout):
     return lambda shards, name: unshard_sequence(shards, layout, dim=-1 if name == "lse" else -2)
 
 
-_worlds: dict[int, World] = {}
-
-
-@pytest.fixture(scope="module")
-def worlds():
-    """One live World per world size, started on first use, closed at the end of the module."""
-    def get(W):
-        if W not in _worlds or not _worlds[W].alive:
-            _worlds[W] = World(W, timeout=60, echo=False).start()
-        return _worlds[W]
-    yield get
-    for w in _worlds.values():
-        w.close()
-    _worlds.clear()
-
-
 # ----------------------------------------------------------------------------------------------
 # Ring attention parity
 
@@ -85,10 +69,10 @@ def worlds():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("W", [1, 2, 3, 4])
-def test_ring_attention_matches_full_attention_out_lse_and_grads(worlds, W, layout, causal, kernel):
+def test_ring_attention_matches_full_attention_out_lse_and_grads(world, W, layout, causal, kernel):
     S = 4 * W if layout != "zigzag" else 6 * W
     inputs = dict(SHAPE, seed=W * 10 + len(layout), dtype=torch.float32)
-    res = worlds(W).run(demos.ring_worker, S, layout, causal, kernel=kernel, **inputs)
+    res = world(W).run(demos.ring_worker, S, layout, causal, kernel=kernel, **inputs)
     err = errors(res.values, truth(S, causal, **inputs), ring_unshard(layout))
     assert set(err) == {"out", "lse", "dq", "dk", "dv"}
     assert all(e < TOL32 for e in err.values()), err
@@ -97,11 +81,11 @@ def test_ring_attention_matches_full_attention_out_lse_and_grads(worlds, W, layo
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("W", [2, 3, 4])
-def test_ring_attention_large_logits_finite_and_as_accurate_as_one_device(worlds, W, layout, causal):
+def test_ring_attention_large_logits_finite_and_as_accurate_as_one_device(world, W, layout, causal):
     """Logits ×4: the ring's fp32 error stays within a few times the single-device fp32 error."""
     S = 8 * W
     inputs = dict(SHAPE, seed=7 + W, dtype=torch.float32, logit_scale=4.0)
-    res = worlds(W).run(demos.ring_worker, S, layout, causal, **inputs)
+    res = world(W).run(demos.ring_worker, S, layout, causal, **inputs)
     for v in res.values:
         assert all(torch.isfinite(t).all() for t in v.values())
     err = errors(res.values, truth(S, causal, **inputs), ring_unshard(layout))
@@ -111,9 +95,9 @@ def test_ring_attention_large_logits_finite_and_as_accurate_as_one_device(worlds
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_ring_attention_float64_is_exact_to_rounding(worlds, layout):
+def test_ring_attention_float64_is_exact_to_rounding(world, layout):
     inputs = dict(batch=1, heads=3, heads_kv=1, head_dim=4, seed=3, dtype=torch.float64)   # MQA
-    res = worlds(3).run(demos.ring_worker, 12, layout, True, **inputs)
+    res = world(3).run(demos.ring_worker, 12, layout, True, **inputs)
     err = errors(res.values, truth(12, True, **inputs), ring_unshard(layout))
     assert all(e < 1e-12 for e in err.values()), err
 
@@ -123,9 +107,9 @@ def test_ring_attention_float64_is_exact_to_rounding(worlds, layout):
 
 
 @pytest.mark.parametrize("W", [2, 3, 4])
-def test_zigzag_causal_work_is_exactly_balanced(worlds, W):
+def test_zigzag_causal_work_is_exactly_balanced(world, W):
     S = 4 * W
-    res = worlds(W).run(demos.ring_worker, S, "zigzag", True, **SHAPE)
+    res = world(W).run(demos.ring_worker, S, "zigzag", True, **SHAPE)
     pairs = res.trace.filter(op="compute", what="attn_fwd").meta_sum("pairs")
     assert pairs == {r: S * (S + 1) // (2 * W) for r in range(W)}
     bwd = res.trace.filter(op="compute", what="attn_bwd").meta_sum("pairs")
@@ -133,10 +117,10 @@ def test_zigzag_causal_work_is_exactly_balanced(worlds, W):
 
 
 @pytest.mark.parametrize("W", [2, 3, 4])
-def test_contiguous_causal_work_grows_with_rank_and_masked_steps_are_skipped(worlds, W):
+def test_contiguous_causal_work_grows_with_rank_and_masked_steps_are_skipped(world, W):
     S = 4 * W
     c = S // W
-    res = worlds(W).run(demos.ring_worker, S, "contiguous", True, **SHAPE)
+    res = world(W).run(demos.ring_worker, S, "contiguous", True, **SHAPE)
     fwd = res.trace.filter(op="compute", what="attn_fwd")
     assert fwd.meta_sum("pairs") == {r: c * c * r + c * (c + 1) // 2 for r in range(W)}
     for r in range(W):
@@ -147,21 +131,21 @@ def test_contiguous_causal_work_grows_with_rank_and_masked_steps_are_skipped(wor
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("W", [1, 3])
-def test_every_unmasked_pair_is_computed_once(worlds, layout, W):
+def test_every_unmasked_pair_is_computed_once(world, layout, W):
     S = 6 * W
     for causal in (False, True):
-        res = worlds(W).run(demos.ring_worker, S, layout, causal, backward=False, **SHAPE)
+        res = world(W).run(demos.ring_worker, S, layout, causal, backward=False, **SHAPE)
         total = sum(res.trace.filter(op="compute", what="attn_fwd").meta_sum("pairs").values())
         assert total == (S * (S + 1) // 2 if causal else S * S)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("W", [2, 3, 4])
-def test_ring_bytes_forward_and_backward(worlds, W, dtype):
+def test_ring_bytes_forward_and_backward(world, W, dtype):
     """Forward: (W−1)·2·(S/W)·H_kv·D·b per rank.  Backward: the same for K/V plus as much for dK/dV."""
     S, Hkv, D = 4 * W, SHAPE["heads_kv"], SHAPE["head_dim"]
     b = torch.tensor([], dtype=dtype).element_size()
-    res = worlds(W).run(demos.ring_worker, S, "zigzag", True, **dict(SHAPE, dtype=dtype))
+    res = world(W).run(demos.ring_worker, S, "zigzag", True, **dict(SHAPE, dtype=dtype))
     B = SHAPE["batch"]
     fwd = (W - 1) * 2 * (S // W) * Hkv * D * b * B
     sends = res.trace.filter(op="send")
@@ -172,8 +156,8 @@ def test_ring_bytes_forward_and_backward(worlds, W, dtype):
 
 
 @pytest.mark.parametrize("W", [3, 4])
-def test_kv_travels_forward_round_the_ring_with_its_chunk_ids(worlds, W):
-    res = worlds(W).run(demos.ring_worker, 4 * W, "zigzag", True, **SHAPE)
+def test_kv_travels_forward_round_the_ring_with_its_chunk_ids(world, W):
+    res = world(W).run(demos.ring_worker, 4 * W, "zigzag", True, **SHAPE)
     for phase in ("fwd", "bwd"):
         for e in res.trace.filter(op="send", what="kv", phase=phase):
             assert e.peer == (e.rank + 1) % W
@@ -187,8 +171,8 @@ def test_kv_travels_forward_round_the_ring_with_its_chunk_ids(worlds, W):
 
 
 @pytest.mark.parametrize("W", [2, 4])
-def test_next_hop_is_posted_before_the_block_is_computed(worlds, W):
-    res = worlds(W).run(demos.ring_worker, 8 * W, "contiguous", False, **SHAPE)
+def test_next_hop_is_posted_before_the_block_is_computed(world, W):
+    res = world(W).run(demos.ring_worker, 8 * W, "contiguous", False, **SHAPE)
     for what in ("attn_fwd", "attn_bwd"):
         phase = what[-3:]
         for c in res.trace.filter(op="compute", what=what):
@@ -230,9 +214,9 @@ def test_ulysses_heads_not_divisible_raise_value_error_on_every_rank():
 
 
 @pytest.mark.parametrize("W", [2, 3, 4, 5])
-def test_twenty_forward_backward_iterations_finish(worlds, W):
+def test_twenty_forward_backward_iterations_finish(world, W):
     for layout, causal in (("zigzag", True), ("striped", False)):
-        res = worlds(W).run(demos.ring_worker, 4 * W, layout, causal, iterations=20, timeout=60, **SHAPE)
+        res = world(W).run(demos.ring_worker, 4 * W, layout, causal, iterations=20, timeout=60, **SHAPE)
         assert len(res.trace.filter(op="compute", what="attn_bwd")) >= 20 * W
 
 
@@ -241,8 +225,8 @@ def test_twenty_forward_backward_iterations_finish(worlds, W):
 
 
 @pytest.mark.parametrize("W", [2, 3, 4])
-def test_seq_to_heads_to_seq_round_trip_is_bitwise_exact(worlds, W):
-    res = worlds(W).run(demos.roundtrip_worker, 4 * W, heads=2 * W)
+def test_seq_to_heads_to_seq_round_trip_is_bitwise_exact(world, W):
+    res = world(W).run(demos.roundtrip_worker, 4 * W, heads=2 * W)
     full = demos.make_inputs(4 * W, heads=2 * W)[0]
     for r, v in enumerate(res.values):
         assert torch.equal(v["back"], v["x"])
@@ -255,9 +239,9 @@ def test_seq_to_heads_to_seq_round_trip_is_bitwise_exact(worlds, W):
 @pytest.mark.parametrize("heads_kv", [4, 2, 1])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("W", [1, 2, 4])
-def test_ulysses_attention_matches_full_attention(worlds, W, causal, heads_kv):
+def test_ulysses_attention_matches_full_attention(world, W, causal, heads_kv):
     inputs = dict(batch=2, heads=4, heads_kv=heads_kv, head_dim=8, seed=5, dtype=torch.float32)
-    res = worlds(W).run(demos.ulysses_worker, 4 * W, causal, **inputs)
+    res = world(W).run(demos.ulysses_worker, 4 * W, causal, **inputs)
     err = errors(res.values, truth(4 * W, causal, **inputs), ring_unshard("contiguous"))
     assert set(err) == {"out", "dq", "dk", "dv"} and all(e < TOL32 for e in err.values()), err
 
@@ -265,10 +249,10 @@ def test_ulysses_attention_matches_full_attention(worlds, W, causal, heads_kv):
 @pytest.mark.parametrize("grid", [(2, 2), (1, 4), (4, 1)])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_usp_attention_matches_full_attention(worlds, grid, layout, causal):
+def test_usp_attention_matches_full_attention(world, grid, layout, causal):
     U, R = grid
     S = 16
     inputs = dict(batch=2, heads=4, heads_kv=2 if U < 4 else 4, head_dim=8, seed=6, dtype=torch.float32)
-    res = worlds(4).run(demos.usp_worker, S, U, R, layout, causal, **inputs)
+    res = world(4).run(demos.usp_worker, S, U, R, layout, causal, **inputs)
     err = errors(res.values, truth(S, causal, **inputs), lambda shards, n: usp_unshard(shards, U, R, layout))
     assert set(err) == {"out", "dq", "dk", "dv"} and all(e < TOL32 for e in err.values()), err
