@@ -17,8 +17,12 @@ $(VENV)/.stamp-test: pyproject.toml scripts/bootstrap.py
 	$(PYTHON) scripts/bootstrap.py --extras test
 	@touch $@ $(VENV)/.stamp-lab
 
+# The course's own JupyterLab settings (scripts/jupyter/labconfig: no news or update pop-up over the
+# notebook) come first on JUPYTER_CONFIG_PATH; the user's own Jupyter configuration is left untouched.
+LAB_CONFIG := $(CURDIR)/scripts/jupyter$(if $(JUPYTER_CONFIG_PATH),:$(JUPYTER_CONFIG_PATH),)
+
 lab: $(VENV)/.stamp-lab
-	$(VPY) -m jupyter lab --port $(PORT) $(LAB_FLAGS) notebooks/index.ipynb
+	JUPYTER_CONFIG_PATH="$(LAB_CONFIG)" $(VPY) -m jupyter lab --port $(PORT) $(LAB_FLAGS) notebooks/index.ipynb
 
 test: $(VENV)/.stamp-test
 	$(VPY) -m pytest

@@ -1,6 +1,7 @@
 """`make lab` serves the course's index notebook (the README's first command)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -38,6 +39,11 @@ def test_make_lab_serves_the_index_notebook(tmp_path):
         assert '"name": "index.ipynb"' in body or '"name":"index.ipynb"' in body, "JupyterLab did not serve index.ipynb"
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/lab/tree/index.ipynb?token=course-test", timeout=10) as r:
             assert r.status == 200 and "JupyterLab" in r.read().decode()
+        # nothing in the learner's way: the course's settings switch off the news and update pop-ups
+        url = f"http://127.0.0.1:{port}/lab/api/settings/@jupyterlab/apputils-extension:notification?token=course-test"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            defaults = {k: v.get("default") for k, v in json.loads(r.read())["schema"]["properties"].items()}
+        assert defaults.get("fetchNews") == "false" and defaults.get("checkForUpdates") is False, defaults
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
