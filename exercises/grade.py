@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="cap every check's time limit (default: $GRADER_TIMEOUT or 60)")
     p.add_argument("--oracle-answers", metavar="PATH",
                    help="ground truth recorded from the full reference (a student release ships one)")
+    p.add_argument("--fresh-inputs", action="store_true",
+                   help="draw every check's inputs from a secret seed (the autograder; needs the full reference)")
+    p.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                   help="time for the whole submission (default: $GRADER_DEADLINE or 480)")
     args = p.parse_args(argv)
 
     if args.list:
@@ -42,9 +46,24 @@ def main(argv: list[str] | None = None) -> int:
     core.contain()   # processes a submission detaches are still found and killed
     if args.oracle_answers:
         core.load_oracle_answers(args.oracle_answers)
+    if args.fresh_inputs:
+        core.fresh_inputs()
+
+    def write(results: list, note: str = "") -> None:
+        if args.gradescope:
+            report.gradescope(results, args.gradescope, execution_time=time.perf_counter() - t0, output=note)
+        if args.junit:
+            report.junit(results, args.junit)
+
     try:
         results = core.grade(args.solutions, args.ids or None, include_hidden=not args.no_hidden, progress=progress,
-                             timeout=args.timeout)
+                             timeout=args.timeout, deadline=args.deadline,
+                             on_exercise=lambda done: write(done, "grading was stopped before the end; "
+                                                                  "this is the score of the exercises graded so far"))
+    except core.SetupError as e:
+        print(f"the grader cannot run here: {e}", file=sys.stderr)
+        write([], f"The grader could not run, so nothing was graded: {e}")
+        return 2
     except ValueError as e:
         p.error(str(e))
     elapsed = time.perf_counter() - t0

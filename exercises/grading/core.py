@@ -77,6 +77,8 @@ class Exercise:
 EXERCISES: dict[str, Exercise] = {}
 DEFAULT_TIMEOUT = float(os.environ.get("GRADER_TIMEOUT", "60"))   # seconds per check, at most
 START_ALLOWANCE = 30.0   # seconds a runner may take to start its ranks, on top of a check's limit
+MAX_REPLY_BYTES = int(float(os.environ.get("GRADER_MAX_REPLY_MB", "64")) * 2 ** 20)  # one runner reply, at most
+DEADLINE = float(os.environ.get("GRADER_DEADLINE", "480"))   # seconds for a whole submission (Gradescope: 10 min)
 CHECK_MODULES = ["exercises.grading.checks.collectives", "exercises.grading.checks.data",
                  "exercises.grading.checks.tensor", "exercises.grading.checks.sequence",
                  "exercises.grading.checks.moe"]
@@ -114,6 +116,16 @@ def exercise_order(ex_id: str) -> list[tuple[int, Any]]:
 
 class CheckFailed(Exception):
     """Raised inside a check to fail it with a message for the learner."""
+
+
+class CheckTimedOut(CheckFailed):
+    """The learner's code ran out of time (its runner was killed): the exercise's remaining checks
+    are skipped, so that a submission that hangs everywhere costs one time limit, not one per check."""
+
+
+class SetupError(RuntimeError):
+    """The grader cannot run here at all (e.g. ``GRADER_RUN_AS`` cannot reach the interpreter); the
+    message says what to change.  Raised before any check runs."""
 
 
 @dataclass
@@ -176,14 +188,13 @@ class Runner:
 
     def start(self) -> "Runner":
         parent, child = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p or os.getcwd() for p in sys.path))
         setup = pickle.dumps({"guard": self.guard}).hex()
-        user = os.environ.get("GRADER_RUN_AS") or None   # e.g. an unprivileged user on Gradescope
+        user = run_as()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", f"from exercises.grading.runner import main; main({child.fileno()}, {setup!r})"],
-            pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True, user=user, cwd=os.getcwd())
+            pass_fds=(child.fileno(),), env=runner_env(user), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True, cwd=os.getcwd(),
+            **(dict(user=user.pw_uid, group=user.pw_gid, extra_groups=[]) if user else {}))
         child.close()
         self.conn = mpc.Connection(parent.detach())
         self.ready = False
@@ -194,11 +205,10 @@ class Runner:
         timeout = START_ALLOWANCE if timeout is None else timeout
         try:
             self.conn.send_bytes(pickle.dumps(("ping",)))
-            if self.conn.poll(timeout):
-                self.conn.recv_bytes()
-                self.ready = True
-                return
-        except (EOFError, OSError):
+            receive(self.conn, timeout, 1 << 16)
+            self.ready = True
+            return
+        except (EOFError, OSError, _Late, _TooBig):
             pass
         code = self.proc.poll() if self.proc else None
         self.kill()
@@ -213,11 +223,15 @@ class Runner:
             self.wait_ready()
         try:
             self.conn.send_bytes(pickle.dumps(request))
-            if not self.conn.poll(timeout):
-                self.kill()
-                raise CheckFailed(f"your code did not finish within {timeout:g} s (an infinite loop, or a "
-                                  "wait that never ends?); it was stopped.")
-            data = self.conn.recv_bytes()
+            data = receive(self.conn, timeout, MAX_REPLY_BYTES)
+        except _Late:
+            self.kill()
+            raise CheckTimedOut(f"your code did not finish within {timeout:g} s (an infinite loop, or a "
+                                "wait that never ends?); it was stopped.") from None
+        except _TooBig as e:
+            self.kill()
+            raise CheckFailed(f"your code sent back {e.size / 2 ** 20:.0f} MiB; the grader accepts at most "
+                              f"{MAX_REPLY_BYTES / 2 ** 20:.0f} MiB per answer.") from None
         except (EOFError, OSError, BrokenPipeError):
             code = self.proc.wait() if self.proc else None
             self.kill()
@@ -226,6 +240,7 @@ class Runner:
                 raise CheckFailed(f"the process running your code {how} (a crash, e.g. a segfault).")
             raise CheckFailed(f"the process running your code exited (exit code {code}) before answering: "
                               "sys.exit / os._exit in your code?")
+        refuse_unsafe_archive(data)
         try:
             return torch.load(io.BytesIO(data), weights_only=True)
         except Exception as e:
@@ -250,6 +265,154 @@ class Runner:
             except Exception:
                 pass
         self.proc, self.conn, self.ready = None, None, False
+
+
+class _Late(Exception):
+    pass
+
+
+class _TooBig(Exception):
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.size = size
+
+
+def receive(conn, timeout: float, cap: int) -> bytes:
+    """One message from a runner, framed as ``multiprocessing.connection`` frames it, read with a
+    deadline for the WHOLE message (a header followed by silence cannot hang the grader) and a
+    size cap checked from the header, before anything is allocated."""
+    import select
+    import struct
+    fd, end = conn.fileno(), time.monotonic() + timeout
+
+    def read(n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise _Late()
+            chunk = os.read(fd, min(n - len(buf), 1 << 20))
+            if not chunk:
+                raise EOFError
+            buf += chunk
+        return bytes(buf)
+
+    size, = struct.unpack("!i", read(4))
+    if size == -1:
+        size, = struct.unpack("!Q", read(8))
+    if size < 0 or size > cap:
+        raise _TooBig(size)
+    return read(size)
+
+
+def refuse_unsafe_archive(data: bytes) -> None:
+    """``torch.save`` writes uncompressed (stored) zip records; a compressed or oversized record
+    could expand without bound inside ``torch.load``, so it is refused before loading."""
+    import zipfile
+    try:
+        infos = zipfile.ZipFile(io.BytesIO(data)).infolist()
+    except (zipfile.BadZipFile, ValueError, OSError):
+        raise CheckFailed("your code returned something that is not a torch.save archive.") from None
+    if any(i.compress_type != zipfile.ZIP_STORED for i in infos):
+        raise CheckFailed("your code's answer holds a compressed record; the grader only accepts what "
+                          "torch.save writes (return tensors, numbers, lists, tuples or dicts).")
+    if sum(i.file_size for i in infos) > MAX_REPLY_BYTES:
+        raise CheckFailed(f"your code's answer is larger than {MAX_REPLY_BYTES / 2 ** 20:.0f} MiB.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Running as another user (GRADER_RUN_AS): checked before anything is graded
+
+
+def run_as():
+    """The ``pwd`` entry of ``$GRADER_RUN_AS`` (learner code runs as that user), or None."""
+    name = os.environ.get("GRADER_RUN_AS") or None
+    if name is None:
+        return None
+    import pwd
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        raise SetupError(f"GRADER_RUN_AS={name!r}: there is no such user on this machine.") from None
+
+
+def runner_env(user) -> dict[str, str]:
+    """The runner's environment.  As another user: a minimal one (nothing of the grader's own
+    variables), with a home and a temporary folder of that user's own."""
+    path = os.pathsep.join(dict.fromkeys(p or os.getcwd() for p in sys.path))
+    if user is None:
+        return dict(os.environ, PYTHONPATH=path)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": path, "LANG": "C.UTF-8",
+           "HOME": _scratch(user), "TMPDIR": _scratch(user), "PYTHONDONTWRITEBYTECODE": "1"}
+    env.update({k: v for k, v in os.environ.items() if k in ("GRADER_SPAWN", "OMP_NUM_THREADS")})
+    return env
+
+
+_SCRATCH: dict[int, str] = {}
+
+
+def _scratch(user) -> str:
+    """A private temporary folder owned by ``user`` (removed by :func:`remove_scratch`)."""
+    if user.pw_uid not in _SCRATCH:
+        import tempfile
+        d = tempfile.mkdtemp(prefix="grader-run-")
+        os.chown(d, user.pw_uid, user.pw_gid)
+        os.chmod(d, 0o700)
+        _SCRATCH[user.pw_uid] = d
+    return _SCRATCH[user.pw_uid]
+
+
+def remove_scratch() -> None:
+    import shutil
+    for d in _SCRATCH.values():
+        shutil.rmtree(d, ignore_errors=True)
+    _SCRATCH.clear()
+
+
+_PROBE = r"""
+import importlib, json, sys
+out = {}
+for what, name in (("course", "torch"), ("course", "reference.launch"), ("course", "exercises.grading.runner"),
+                   ("submission", sys.argv[1])):
+    try:
+        importlib.import_module(name)
+    except BaseException as e:
+        out = {"what": what, "name": name, "error": f"{type(e).__name__}: {e}"}
+        break
+print(json.dumps(out))
+"""
+
+
+def preflight(solutions: str) -> None:
+    """With ``GRADER_RUN_AS``: check, before grading, that the user can run the interpreter and
+    import the course and the submission; otherwise raise :class:`SetupError` saying what to change
+    (one message, instead of every check failing on its own)."""
+    user = run_as()
+    if user is None:
+        return
+    import json
+    cmd = [sys.executable, "-c", _PROBE, solutions.split(".")[0]]
+    fix = (f"Make the course, its interpreter and the submission readable (and folders and the interpreter "
+           f"executable) by {user.pw_name!r} — e.g. keep them outside a private (mode 700) home folder, or "
+           f"`chmod -R o+rX` them — or unset GRADER_RUN_AS to run learner code as yourself.")
+    try:
+        r = subprocess.run(cmd, env=runner_env(user), cwd=os.getcwd(), capture_output=True, text=True, timeout=120,
+                           user=user.pw_uid, group=user.pw_gid, extra_groups=[])
+    except PermissionError as e:
+        raise SetupError(f"GRADER_RUN_AS={user.pw_name!r} cannot run the grader's Python {sys.executable} "
+                         f"({e.strerror}). {fix}") from None
+    except subprocess.TimeoutExpired:
+        raise SetupError(f"GRADER_RUN_AS={user.pw_name!r}: importing the course as that user took over 120 s.") from None
+    try:
+        found = json.loads(r.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        tail = (r.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        raise SetupError(f"GRADER_RUN_AS={user.pw_name!r} cannot run the grader's Python {sys.executable} "
+                         f"({tail[0]}). {fix}") from None
+    if found:
+        where = "the submission" if found["what"] == "submission" else "the course"
+        raise SetupError(f"GRADER_RUN_AS={user.pw_name!r} cannot import {where} ({found['name']}: "
+                         f"{found['error']}). {fix}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,7 +568,7 @@ class Context:
         if kind == "timeout":
             blocked = err.get("blocked", {})
             if blocked and all(not b for b in blocked.values()):
-                raise CheckFailed(
+                raise CheckTimedOut(
                     f"your code did not finish within {err.get('timeout', 0):g} s and no rank was communicating "
                     f"(ranks {', '.join(map(str, sorted(blocked)))} were still running): a loop that never ends?")
             lines = [f"deadlock: after {err.get('timeout', 0):g} s ranks {', '.join(map(str, sorted(blocked)))} "
@@ -417,7 +580,7 @@ class Context:
                 lines.append("    Likely mistake: a blocking ring — every rank sends first and waits for a "
                              "receiver that is itself sending. Post sends and receives together "
                              "(comm.exchange / batch_isend_irecv).")
-            raise CheckFailed("\n".join(lines))
+            raise CheckTimedOut("\n".join(lines))
         if err.get("type") == "SystemExit":
             where = f" on rank {err['rank']}" if err.get("rank") is not None else ""
             raise CheckFailed(f"your code called sys.exit({err.get('message')}){where}: exiting never passes a "
@@ -604,13 +767,21 @@ _OUR_CHILDREN: set[int] = set()   # runners this process started (subprocess rea
 
 
 def grade(solutions: str = "exercises", ids: Sequence[str] | None = None, *, include_hidden: bool = True,
-          progress: Callable[[str], None] | None = None, timeout: float | None = None) -> list[ExerciseResult]:
+          progress: Callable[[str], None] | None = None, timeout: float | None = None,
+          deadline: float | None = None,
+          on_exercise: Callable[[list[ExerciseResult]], None] | None = None) -> list[ExerciseResult]:
     """Grade ``solutions`` (a package laid out like ``exercises``) on the chosen exercises.
 
     Each exercise gets its own runner process (started while the previous exercise is graded);
-    ``timeout`` caps every check's time limit (default ``$GRADER_TIMEOUT`` or 60 s).
+    ``timeout`` caps every check's time limit (default ``$GRADER_TIMEOUT`` or 60 s); ``deadline``
+    caps the whole submission (seconds, default ``$GRADER_DEADLINE`` or 480): checks left when it
+    runs out fail, saying so.  ``on_exercise(results so far)`` is called after each exercise (the
+    command line writes results.json there, so a grader killed later still leaves a score).
+    Raises :class:`SetupError` before any check if learner code cannot be run as configured.
     """
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    end = time.monotonic() + (DEADLINE if deadline is None else deadline)
+    preflight(solutions)
     if ORACLE.answers is None and ORACLE.record is None:
         load_oracle_answers()   # a student release: graded reference functions have no bodies here
     registry = load_checks()
@@ -636,35 +807,48 @@ def grade(solutions: str = "exercises", ids: Sequence[str] | None = None, *, inc
             runner, upcoming = upcoming, (new_runner() if k + 1 < len(chosen) else None)
             spare = [upcoming.proc.pid] if upcoming is not None and upcoming.proc is not None else []
             try:
-                results.append(_grade_exercise(registry[ex_id], solutions, runner, include_hidden, progress, timeout))
+                results.append(_grade_exercise(registry[ex_id], solutions, runner, include_hidden, progress, timeout,
+                                               end))
             finally:
                 runner.kill()
                 sweep(keep=spare)
+            if on_exercise is not None:
+                on_exercise(list(results))
     finally:
         for r in started:
             r.kill()
+        remove_scratch()
     return results
 
 
 def _grade_exercise(ex: Exercise, solutions: str, runner: Runner, include_hidden: bool,
-                    progress: Callable[[str], None] | None, timeout: float) -> ExerciseResult:
-    """Run ``ex``'s checks in order with one runner; a failing check never stops the others."""
+                    progress: Callable[[str], None] | None, timeout: float,
+                    end: float = float("inf")) -> ExerciseResult:
+    """Run ``ex``'s checks in order with one runner.  A failing check never stops the others, but
+    after a check ran out of time the rest are skipped (failed, with the reason), and so are the
+    checks left when the submission's deadline ``end`` (``time.monotonic()``) has passed."""
     checks = []
-    missing: str | None = None   # once a function says "not implemented", later checks say so briefly
+    skip: str | None = None   # once a function says "not implemented" or runs out of time, the rest say so
     for c in ex.checks:
         if c.hidden and not include_hidden:
             continue
-        if missing is not None:
-            checks.append(CheckResult(ex.id, c.name, False, 0.0, c.points, "not implemented yet (see above)",
-                                      0.0, c.hidden))
+        left = end - time.monotonic()
+        if skip is None and left < 1:
+            skip = "skipped: the time for grading this submission ran out"
+        if skip is not None:
+            checks.append(CheckResult(ex.id, c.name, False, 0.0, c.points, skip, 0.0, c.hidden))
             continue
         if progress:
             progress(f"{ex.id} {c.name} ...")
         t0 = time.perf_counter()
-        ctx = Context(solutions, ex, runner, min(c.timeout, timeout) if timeout else c.timeout)
+        limit = min(c.timeout, timeout) if timeout else c.timeout
+        ctx = Context(solutions, ex, runner, max(1.0, min(limit, left - START_ALLOWANCE / 2)))
         try:
             c.fn(ctx)
             res = CheckResult(ex.id, c.name, True, c.points, c.points, "", 0.0, c.hidden)
+        except CheckTimedOut as e:
+            res = CheckResult(ex.id, c.name, False, 0.0, c.points, str(e), 0.0, c.hidden)
+            skip = "skipped: an earlier check of this exercise ran out of time (see above)"
         except CheckFailed as e:
             res = CheckResult(ex.id, c.name, False, 0.0, c.points, str(e), 0.0, c.hidden)
         except Exception as e:  # a bug in a check must not stop the run; say so plainly
@@ -674,5 +858,5 @@ def _grade_exercise(ex: Exercise, solutions: str, runner: Runner, include_hidden
         res.seconds = time.perf_counter() - t0
         checks.append(res)
         if res.message.startswith("not implemented yet"):
-            missing = res.message
+            skip = "not implemented yet (see above)"
     return ExerciseResult(ex, checks)

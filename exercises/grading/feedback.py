@@ -101,6 +101,13 @@ def _fmt_index(flat: int, shape: torch.Size) -> str:
     return "(" + ", ".join(str(i) for i in reversed(idx)) + ")"
 
 
+_KIND_NAMES = {"c": "a complex tensor", "f": "a floating-point tensor", "i": "an integer (or bool) tensor"}
+
+
+def _kind(t: torch.Tensor) -> str:
+    return "c" if t.is_complex() else "f" if t.is_floating_point() else "i"
+
+
 def compare(got: Any, expected: torch.Tensor, what: str, *, rank: int | None = None, world_size: int | None = None,
             atol: float = 1e-6, rtol: float = 1e-5, case: str = "", detectors: Sequence[Detector] = (),
             extra: dict[str, Any] | None = None) -> str | None:
@@ -112,12 +119,18 @@ def compare(got: Any, expected: torch.Tensor, what: str, *, rank: int | None = N
         return f"{what}{where}: expected a tensor of shape {tuple(expected.shape)}, got {type(got).__name__}."
     if got.shape != expected.shape:
         return (f"{what}{where}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}.")
+    if _kind(got) != _kind(expected):
+        return (f"{what}{where}: dtype {got.dtype}, expected {_KIND_NAMES[_kind(expected)]} like "
+                f"{expected.dtype}.")
     g, e = got.detach().double(), expected.detach().double()
     both_nan = torch.isnan(g) & torch.isnan(e)
     err = (g - e).abs()
     err = torch.where(both_nan, torch.zeros_like(err), err)
     err = torch.where(torch.isnan(err), torch.full_like(err, float("inf")), err)
     bad = err > atol + rtol * e.abs()
+    # where the expected value is ±inf or NaN only that very value passes (a tolerance of inf would pass anything)
+    special = ~torch.isfinite(e)
+    bad = torch.where(special, ~((g == e) | both_nan), bad)
     if not bool(bad.any()):
         return None
     flat = int(torch.argmax(torch.where(bad, err, torch.zeros_like(err))))

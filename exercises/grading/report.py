@@ -79,7 +79,7 @@ def _write_atomic(path: str | Path, text: str) -> None:
         raise
 
 
-def gradescope_doc(results: Sequence[ExerciseResult], *, execution_time: float | None = None) -> dict:
+def gradescope_doc(results: Sequence[ExerciseResult], *, execution_time: float | None = None, output: str = "") -> dict:
     """Gradescope's results.json as a dict: one test per check, numbered ``<exercise>.<k>``."""
     tests = []
     for ex in results:
@@ -101,7 +101,7 @@ def gradescope_doc(results: Sequence[ExerciseResult], *, execution_time: float |
              f"{_fmt(sum(c.score for c in cs))}/{_fmt(sum(c.max_score for c in cs))} on the visible checks"
              for ex, cs in visible]
     doc = {"score": sum(ex.score for ex in results), "tests": tests,
-           "output": "\n".join(lines), "output_format": "text", "test_output_format": "text",
+           "output": "\n".join(([output] if output else []) + lines), "output_format": "text", "test_output_format": "text",
            "stdout_visibility": "hidden",
            "extra_data": {"max_score": sum(ex.max_score for ex in results)}}
     if execution_time is not None:
@@ -109,9 +109,11 @@ def gradescope_doc(results: Sequence[ExerciseResult], *, execution_time: float |
     return doc
 
 
-def gradescope(results: Sequence[ExerciseResult], path: str | Path, *, execution_time: float | None = None) -> dict:
-    """Write Gradescope's results.json (its autograder specification) to ``path``; return it."""
-    doc = gradescope_doc(results, execution_time=execution_time)
+def gradescope(results: Sequence[ExerciseResult], path: str | Path, *, execution_time: float | None = None,
+               output: str = "") -> dict:
+    """Write Gradescope's results.json (its autograder specification) to ``path``; return it.
+    ``output`` is a line put first in the text every student sees (e.g. why grading stopped)."""
+    doc = gradescope_doc(results, execution_time=execution_time, output=output)
     _write_atomic(path, json.dumps(doc, indent=2))
     return doc
 
