@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from exercises.grading import core
+
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 3   # seconds per check: a hang or a deadlock costs this much
 
@@ -147,6 +149,16 @@ def test_submitting_the_reference_functions_scores_zero(tmp_path, no_orphans):
 def test_submitted_code_can_run_as_an_unprivileged_user_and_cannot_touch_root_files(tmp_path, no_orphans,
                                                                                      monkeypatch):
     monkeypatch.setenv("GRADER_RUN_AS", "nobody")
+    try:
+        core.preflight("tests")
+    except core.SetupError as e:     # this clone lies where nobody cannot reach (e.g. a mode-700 home folder)
+        out = tmp_path / "results.json"
+        proc = subprocess.run([sys.executable, "-m", "exercises.grade", "0.2", "--solutions", "tests.submissions.hang",
+                               "--quiet", "--gradescope", str(out)], cwd=ROOT, capture_output=True, text=True,
+                              timeout=180)
+        assert proc.returncode == 2 and "GRADER_RUN_AS='nobody' cannot" in proc.stderr and str(e)[:40] in proc.stderr
+        assert json.loads(out.read_text())["score"] == 0
+        return
     doc, _ = grade(tmp_path, "tamper_results")
     assert_score_is_sum(doc)
     assert full_marks(by_exercise(doc)["0.2"]) and not full_marks(by_exercise(doc)["0.1"])

@@ -52,6 +52,9 @@ class Check:
     points: float = 1.0
     timeout: float = 60.0
     hidden: bool = False
+    # An error-path check ("bad input raises ValueError") that a stub raising everywhere would
+    # pass: its points count only if a value check of the same exercise passed too.
+    requires_value: bool = False
 
 
 @dataclass
@@ -66,10 +69,11 @@ class Exercise:
     def points(self) -> float:
         return sum(c.points for c in self.checks)
 
-    def check(self, name: str, points: float = 1.0, timeout: float = 60.0, hidden: bool = False):
+    def check(self, name: str, points: float = 1.0, timeout: float = 60.0, hidden: bool = False,
+              requires_value: bool = False):
         """Decorator: register a check of this exercise."""
         def deco(fn: Callable[["Context"], None]) -> Callable[["Context"], None]:
-            self.checks.append(Check(name, fn, points, timeout, hidden))
+            self.checks.append(Check(name, fn, points, timeout, hidden, requires_value))
             return fn
         return deco
 
@@ -859,4 +863,15 @@ def _grade_exercise(ex: Exercise, solutions: str, runner: Runner, include_hidden
         checks.append(res)
         if res.message.startswith("not implemented yet"):
             skip = "not implemented yet (see above)"
+    # error-path checks earn their points only next to a correct value: raising everywhere earns nothing
+    value_passed = any(r.passed for r, c in zip(checks, _run_checks(ex, include_hidden)) if not c.requires_value)
+    for r, c in zip(checks, _run_checks(ex, include_hidden)):
+        if c.requires_value and r.passed and not value_passed:
+            r.passed, r.score = False, 0.0
+            r.message = ("this error check passes, but its points count only once the same functions also "
+                         "compute a correct result in another check of this exercise.")
     return ExerciseResult(ex, checks)
+
+
+def _run_checks(ex: Exercise, include_hidden: bool) -> list[Check]:
+    return [c for c in ex.checks if include_hidden or not c.hidden]

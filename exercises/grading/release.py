@@ -258,21 +258,35 @@ SUBMISSION="${AUTOGRADER_SUBMISSION:-/autograder/submission}"
 RESULTS="${AUTOGRADER_RESULTS:-/autograder/results/results.json}"
 PYTHON="${AUTOGRADER_PYTHON:-$SOURCE/.venv/bin/python}"
 mkdir -p "$(dirname "$RESULTS")"
+rm -f "$RESULTS"
 WORK="$(mktemp -d)"
 # Submitted code runs as an unprivileged user when we are root and setup.sh made one.
 if [ "$(id -u)" = 0 ] && id student >/dev/null 2>&1; then export GRADER_RUN_AS=student; fi
+cleanup() {
+    rm -rf "$WORK"
+    # whatever submitted code left in the temporary folders (it could write nowhere else)
+    if [ -n "${GRADER_RUN_AS:-}" ]; then
+        find /tmp /var/tmp /dev/shm -xdev -user "$GRADER_RUN_AS" -delete 2>/dev/null || true
+    fi
+}
+trap cleanup EXIT
 cd "$WORK"
-PYTHONPATH="$WORK:$SOURCE" "$PYTHON" -m exercises.grading.release collect "$SUBMISSION" "$WORK/submission"
+PYTHONPATH="$WORK:$SOURCE" "$PYTHON" -I -m exercises.grading.release collect "$SUBMISSION" "$WORK/submission" \
+    || echo "could not collect the submission"
 chmod -R a+rX "$WORK"
+# Inputs are drawn from a secret seed (--fresh-inputs); the whole submission has GRADER_DEADLINE
+# seconds (480 by default, inside Gradescope's limit); results.json is rewritten after each exercise.
 # shellcheck disable=SC2086
 PYTHONPATH="$WORK:$SOURCE" "$PYTHON" -m exercises.grade ${AUTOGRADER_IDS:-} --solutions submission \
-    --gradescope "$RESULTS" --quiet
+    --gradescope "$RESULTS" --quiet --fresh-inputs
 status=$?
 if [ $status -ne 0 ] || [ ! -s "$RESULTS" ]; then
-    PYTHONPATH="$SOURCE" "$PYTHON" -c "
-import json, sys
-json.dump({'score': 0, 'output': 'The autograder itself failed (exit status $status); please tell your teacher.',
-           'tests': []}, open(sys.argv[1], 'w'))" "$RESULTS"
+    if [ -s "$RESULTS" ]; then
+        :   # the grader wrote its own score and reason (e.g. it cannot run as GRADER_RUN_AS)
+    else    # no Python here: nothing a submission planted can be imported
+        printf '{"score": 0, "output": "The autograder itself failed (exit status %s); please tell your teacher.", "tests": []}\n' \
+            "$status" > "$RESULTS"
+    fi
 fi
 exit 0
 """
@@ -288,18 +302,47 @@ def collect_submission(submission: Path, dest: Path) -> list[str]:
     modules = sorted({ex.module for ex in core.load_checks().values()})
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "__init__.py").write_text('"""A submission, collected by the autograder."""\n')
-    found = []
+    found, refused = [], []
     for m in modules:
         candidates = [submission / "exercises" / f"{m}.py", submission / f"{m}.py"]
         candidates += sorted(submission.rglob(f"{m}.py"), key=lambda p: len(p.parts))
-        src = next((c for c in candidates if c.is_file() and "grading" not in c.parts), None)
-        if src is None:
-            src = ROOT / "exercises" / f"{m}.py"
-        else:
+        text = None
+        for c in candidates:
+            if "grading" in c.parts or not (c.exists() or c.is_symlink()):
+                continue
+            text = _read_plain_file(c, submission)
+            if text is None:
+                refused.append(str(c.relative_to(submission)))
+                continue
             found.append(m)
-        shutil.copyfile(src, dest / f"{m}.py")
+            break
+        if text is None:
+            text = (ROOT / "exercises" / f"{m}.py").read_bytes()
+        (dest / f"{m}.py").write_bytes(text)
+    if refused:
+        print(f"refused (a symlink, a special file, too large, or outside the submission): {', '.join(dict.fromkeys(refused))}")
     print(f"collected {', '.join(found) or 'nothing'} from {submission}; stubs for the rest")
     return found
+
+
+def _read_plain_file(path: Path, root: Path, limit: int = 1 << 20) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file (not a symlink, device or fifo) of at most
+    ``limit`` bytes, inside ``root`` with no symlinked folder on the way; else None.  Opened with
+    O_NOFOLLOW and checked on the open descriptor, so nothing can be swapped in between."""
+    try:
+        inside = os.path.normpath(os.path.join(os.path.realpath(root), os.path.relpath(path.parent, root)))
+        if os.path.realpath(path.parent) != inside:     # a symlinked folder on the way
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (OSError, ValueError):
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        return os.read(fd, limit + 1)[:limit]
+    finally:
+        os.close(fd)
 
 
 def build_autograder(out: Path) -> Path:

@@ -5,7 +5,7 @@ import torch
 
 from reference.collectives import chunk_bounds
 
-from ..core import exercise
+from ..core import exercise, salted_seed
 from ..feedback import Mismatch
 
 H = "exercises.grading.harness"
@@ -15,7 +15,7 @@ ALL_GATHER = exercise("0.2", "Ring all-gather from send/recv", "collectives", ["
 
 
 def _inputs(world_size: int, shape, seed: int, scale: float = 1.0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(salted_seed(seed))
     return [torch.randn(shape, generator=g, dtype=torch.float64) * scale for _ in range(world_size)]
 
 

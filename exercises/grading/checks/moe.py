@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core import CheckFailed, exercise
+from ..core import CheckFailed, exercise, salted_seed
 from ..feedback import Mismatch
 
 H = "exercises.grading.checks.moe"
@@ -104,7 +104,7 @@ def grad_sync_per_rank(module: str, dense_grads, expert_grads, ep: int):
 
 
 def _logits(T: int, E: int, seed: int, scale: float = 2.0, dtype=torch.float64, hot: dict | None = None):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(salted_seed(seed))
     logits = torch.randn(T, E, generator=g, dtype=torch.float64) * scale
     for e, bias in (hot or {}).items():
         logits[:, e] += bias
@@ -117,7 +117,7 @@ def _second_before_first_logits(seed: int = 7) -> torch.Tensor:
     With C = 4 the first choices of tokens 4-7 fill expert 0 and the second choices of tokens 0-3
     are dropped; filling slots in token order across both choices drops the wrong ones.
     """
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(salted_seed(seed))
     logits = torch.randn(8, 4, generator=g, dtype=torch.float64) * 0.3
     for t in range(8):
         first, second = (1 + t % 3, 0) if t < 4 else (0, 1 + t % 3)
@@ -287,7 +287,7 @@ def _(ctx):
 def _(ctx):
     logits = _logits(12, 8, seed=6, scale=40.0, dtype=torch.float32)
     _gating_case(ctx, logits, 2, 3, "float32, |logits| ~ 40, k=2, C=3")
-    g = torch.Generator().manual_seed(8)
+    g = torch.Generator().manual_seed(salted_seed(8))
     distinct = torch.stack([torch.randperm(8, generator=g) for _ in range(12)]).to(torch.float64) * 0.75
     _gating_case(ctx, distinct.to(torch.bfloat16), 1, 2, "bfloat16 logits, k=1, C=2")
 
@@ -297,7 +297,7 @@ def _(ctx):
 
 
 def _aux_inputs(sizes, E: int, k: int, seed: int, scale: float = 1.5):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(salted_seed(seed))
     out = []
     for T in sizes:
         probs = torch.softmax(torch.randn(T, E, generator=g, dtype=torch.float64) * scale, dim=-1)
@@ -407,7 +407,7 @@ def _(ctx):
 @AUX.check("uniform router probabilities give exactly 1.0; a collapsed router gives E")
 def _(ctx):
     E, T = 8, 12
-    g = torch.Generator().manual_seed(23)
+    g = torch.Generator().manual_seed(salted_seed(23))
     uniform = torch.full((T, E), 1.0 / E, dtype=torch.float64)
     idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
     res = ctx.ranks(1, f"{H}:aux_per_rank", [(uniform, idx)], E)
@@ -445,7 +445,7 @@ def _(ctx):
 def _dispatch_inputs(ctx, W: int, T: int, E: int, k: int, cf: float, seed: int, d: int = 3, hot=None):
     from reference.moe.routing import expert_capacity  # given to learners; not an exercise
     C = expert_capacity(T, E, k, cf)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(salted_seed(seed))
     per_rank, grads = [], []
     for r in range(W):
         x = torch.randn(T, d, generator=g, dtype=torch.float64)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..core import CheckFailed, exercise
+from ..core import CheckFailed, exercise, salted_seed
 from ..feedback import Mismatch, compare
 
 H = "exercises.grading.harness"
@@ -61,7 +61,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
 
 
 def _randn(shape, seed: int, scale: float = 1.0, dtype=torch.float64) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(salted_seed(seed))
     return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
 
@@ -348,7 +348,7 @@ def _(ctx):
     judge_unshard(ctx.local(f"{ME}:unshard_harness", cases), cases, fulls)
 
 
-@SHARD.check("a length the layout cannot split raises ValueError")
+@SHARD.check("a length the layout cannot split raises ValueError", requires_value=True)
 def _(ctx):
     bad = [(tokens_tensor((1, 1, 10, 2), -2), 0, 3, "contiguous", -2),
            (tokens_tensor((1, 1, 12, 2), -2), 1, 4, "zigzag", -2),
@@ -737,7 +737,8 @@ def judge_ulysses_error(values: list[dict], W: int, Hh: int) -> None:
                           f"split over {W} ranks. Raise ValueError on every rank before any communication.")
 
 
-@ULYSSES.check("heads not divisible by W (6 heads on 4 ranks): ValueError on every rank, no hang", timeout=RANKS_TIMEOUT)
+@ULYSSES.check("heads not divisible by W (6 heads on 4 ranks): ValueError on every rank, no hang", timeout=RANKS_TIMEOUT,
+               requires_value=True)
 def _(ctx):
     W, Hh = 4, 6
     X = heads_tokens_tensor(1, Hh, 8, 2)

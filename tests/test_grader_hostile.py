@@ -1,0 +1,204 @@
+"""A submission that wants the points without the work (issue: classroom grading that holds).
+
+Each attack is a fixture in tests/submissions/; each test shows it earns only what honest work
+earns, that the grader stays bounded in time and memory, and that a score is always written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from exercises.grading import core, feedback
+
+ROOT = Path(__file__).resolve().parent.parent
+ATTACKS = "tests.submissions.hostile_runner.attacks"
+
+
+def run_grade(tmp_path: Path, fixture: str, ids=("0.1", "0.2"), *extra: str, env=None, timeout=3):
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "exercises.grade", *ids, "--solutions", f"tests.submissions.{fixture}",
+         "--timeout", str(timeout), "--quiet", "--gradescope", str(out), *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    return proc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def scores(doc: dict) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for t in doc["tests"]:
+        ex = t["extra_data"]["exercise"]
+        out[ex] = out.get(ex, 0) + t["score"]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The reply channel: a deadline for the whole message, a size cap, stored records only
+
+
+def _call(attack: str, timeout: float = 3.0):
+    runner = core.Runner("tests.submissions.hostile_runner").start()
+    try:
+        runner.wait_ready(60)
+        t0 = time.perf_counter()
+        with pytest.raises(core.CheckFailed) as e:
+            runner.call(("local", f"{ATTACKS}:{attack}", "x", ()), timeout)
+        return e.value, time.perf_counter() - t0
+    finally:
+        runner.kill()
+
+
+def test_a_reply_that_stops_mid_message_cannot_hang_the_grader(no_orphans):
+    err, seconds = _call("stall_mid_message")
+    assert isinstance(err, core.CheckTimedOut) and "did not finish within 3 s" in str(err)
+    assert seconds < 15
+
+
+def test_a_compressed_record_is_refused_before_it_is_loaded(no_orphans):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    err, _ = _call("compressed_reply", timeout=30)
+    assert "compressed record" in str(err)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 * 1024   # KiB: nothing inflated
+
+
+def test_a_reply_over_the_size_cap_is_refused(no_orphans):
+    err, _ = _call("huge_reply", timeout=30)
+    assert "the grader accepts at most 64 MiB" in str(err)
+
+
+# ----------------------------------------------------------------------------------------------
+# Time: a timeout skips the rest of the exercise; the submission has a deadline; a score always
+
+
+def test_sleeping_at_import_costs_one_time_limit_per_exercise_and_leaves_a_score(tmp_path, no_orphans):
+    t0 = time.perf_counter()
+    proc, doc = run_grade(tmp_path, "sleeps_at_import", ("0.1", "0.2"), "--deadline", "60")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert time.perf_counter() - t0 < 90
+    assert doc["score"] == 0 and doc["tests"]
+    skipped = [t for t in doc["tests"] if "ran out of time" in t["output"]]
+    assert len(skipped) >= len(doc["tests"]) - 2        # one real timeout per exercise, the rest skipped
+
+
+def test_the_submission_deadline_fails_what_is_left_saying_so(tmp_path, no_orphans):
+    proc, doc = run_grade(tmp_path, "sleeps_at_import", ("0.1", "0.2"), "--deadline", "5", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert doc["score"] == 0
+    assert any("time for grading this submission ran out" in t["output"] for t in doc["tests"])
+
+
+def test_results_json_is_written_after_each_exercise(tmp_path, no_orphans):
+    """A grader killed half-way (Gradescope's limit, a crash) still leaves the score so far."""
+    out = tmp_path / "results.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exercises.grade", "0.2", "0.1", "--solutions", "tests.submissions.hang",
+         "--timeout", "3", "--quiet", "--gradescope", str(out)], cwd=ROOT, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not out.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    doc = json.loads(out.read_text())
+    assert {t["extra_data"]["exercise"] for t in doc["tests"]} == {"0.2"}
+    assert doc["score"] == 6 and "stopped before the end" in doc["output"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Points: no lookup of answers, no points for raising, values of the right kind
+
+
+def test_fresh_inputs_make_an_answer_lookup_earn_nothing(tmp_path, no_orphans):
+    _, plain = run_grade(tmp_path, "lookup", ("0.2",))
+    assert scores(plain)["0.2"] > 0                      # the lookup works on the published seeds...
+    _, fresh = run_grade(tmp_path, "lookup", ("0.2",), "--fresh-inputs")
+    assert scores(fresh)["0.2"] == 0                     # ...and earns nothing on inputs nobody has seen
+    _, honest = run_grade(tmp_path, "hang", ("0.2",), "--fresh-inputs")
+    assert honest["score"] == 6                          # honest work keeps every point
+
+
+def test_functions_that_only_raise_earn_nothing(tmp_path, no_orphans):
+    proc, doc = run_grade(tmp_path, "raises_only", ("5a.2", "5a.4"), timeout=20)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert doc["score"] == 0
+    err = [t for t in doc["tests"] if "ValueError" in t["name"]]
+    assert err and all("count only once" in t["output"] for t in err)
+
+
+def test_a_complex_answer_with_the_right_real_part_fails(tmp_path, no_orphans):
+    _, doc = run_grade(tmp_path, "complex_out", ("0.2",))
+    assert doc["score"] == 0
+    assert any("expected a floating-point tensor" in t["output"] for t in doc["tests"])
+
+
+def test_compare_wants_the_same_kind_and_exactly_the_special_values():
+    exp = torch.tensor([1.0, float("inf"), float("-inf"), float("nan")], dtype=torch.float64)
+    assert feedback.compare(exp.clone(), exp, "x") is None
+    for wrong in ([1.0, 5.0, float("-inf"), float("nan")], [1.0, float("inf"), float("inf"), float("nan")],
+                  [1.0, float("inf"), float("-inf"), 0.0]):
+        assert feedback.compare(torch.tensor(wrong, dtype=torch.float64), exp, "x") is not None, wrong
+    assert "dtype" in feedback.compare(torch.tensor([1, 2]), torch.tensor([1.0, 2.0]), "x")
+    assert "dtype" in feedback.compare(torch.tensor([1.0 + 0j]), torch.tensor([1.0]), "x")
+    assert feedback.compare(torch.tensor([1.0], dtype=torch.float32), torch.tensor([1.0], dtype=torch.float64),
+                            "x") is None                 # float32 for float64 is a precision, not a kind
+
+
+# ----------------------------------------------------------------------------------------------
+# Files: collect takes regular files only
+
+
+def test_collect_refuses_symlinks_and_special_files(tmp_path):
+    from exercises.grading.release import collect_submission
+    sub = tmp_path / "sub"
+    (sub / "exercises").mkdir(parents=True)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root only")
+    (sub / "exercises" / "collectives.py").write_text("X = 1\n")
+    (sub / "moe.py").symlink_to(secret)
+    (sub / "deep").mkdir()
+    (sub / "deep" / "link").symlink_to(tmp_path, target_is_directory=True)
+    os.mkfifo(sub / "tensor.py")
+    found = collect_submission(sub, tmp_path / "out")
+    assert found == ["collectives"]
+    assert (tmp_path / "out" / "collectives.py").read_text() == "X = 1\n"
+    assert "root only" not in (tmp_path / "out" / "moe.py").read_text()
+
+
+# ----------------------------------------------------------------------------------------------
+# GRADER_RUN_AS: checked before grading, one clear message
+
+
+def _nobody():
+    try:
+        return pwd.getpwnam("nobody")
+    except KeyError:
+        return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or _nobody() is None, reason="needs root and a user 'nobody'")
+def test_a_run_as_user_who_cannot_read_the_submission_gets_one_clear_message(tmp_path, no_orphans):
+    private = tmp_path / "private"                   # like a clone or a submission in a mode-700 home folder
+    (private / "mysub").mkdir(parents=True)
+    (private / "mysub" / "__init__.py").write_text("")
+    (private / "mysub" / "collectives.py").write_text("from tests.submissions._ring import *  # noqa\n")
+    private.chmod(0o700)
+    out = tmp_path / "results.json"
+    env = dict(os.environ, GRADER_RUN_AS="nobody", PYTHONPATH=f"{private}:{ROOT}")
+    proc = subprocess.run([sys.executable, "-m", "exercises.grade", "0.2", "--solutions", "mysub", "--quiet",
+                           "--gradescope", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2
+    assert proc.stderr.count("GRADER_RUN_AS='nobody' cannot import the submission") == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "unset GRADER_RUN_AS" in proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["score"] == 0 and "could not run" in doc["output"]
