@@ -62,3 +62,20 @@ def world():
     for w in _worlds.values():
         w.close()
     _worlds.clear()
+
+
+_grades: dict[str, tuple[list, float]] = {}
+
+
+@pytest.fixture(scope="session")
+def course_grades():
+    """``course_grades(solutions)`` -> (results of every exercise, hidden checks included, seconds it
+    took): the whole course graded once per session and shared by the tests that need it."""
+    def get(solutions: str):
+        if solutions not in _grades:
+            from exercises.grading import core
+            t0 = time.perf_counter()
+            results = core.grade(solutions, include_hidden=True)
+            _grades[solutions] = (results, time.perf_counter() - t0)
+        return _grades[solutions]
+    return get
