@@ -1,6 +1,7 @@
 """Shared test helpers: child-process accounting (no orphans) and kept-alive worlds."""
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -79,3 +80,43 @@ def course_grades():
             _grades[solutions] = (results, time.perf_counter() - t0)
         return _grades[solutions]
     return get
+
+
+# -- the student release, built once per session -----------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def release_ids() -> list[str]:
+    """One exercise per learner module, in course order: 0.1, 5a.1, 5b.1, ... (whatever is registered);
+    recording reference answers for these bounds the build time, the scans cover every function."""
+    from exercises.grading import core
+    registry = core.load_checks()
+    return list({ex.module: ex.id for ex in reversed(list(registry.values()))}.values())[::-1]
+
+
+@pytest.fixture(scope="session")
+def student_release(tmp_path_factory):
+    """The student release (``make release``) in a temporary folder: test_classroom_release.py checks
+    it, test_browser.py opens its notebooks in JupyterLab."""
+    from exercises.grading import release
+    return release.build_student(tmp_path_factory.mktemp("release"), release_ids(), make_zip=True)
+
+
+# -- a browser for tests/test_browser.py ----------------------------------------------------------------
+
+BROWSER_HOW = ("the browser test needs Debian's Chromium (`sudo apt install chromium`, or "
+               "COURSE_CHROMIUM=/path/to/chrome) and playwright (`.venv/bin/pip install playwright`, part of "
+               "make test's extras); COURSE_BROWSER_TEST=required makes a missing browser an error")
+
+
+def chromium_path() -> str | None:
+    import shutil
+    return os.environ.get("COURSE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def browser_missing() -> list[str]:
+    import importlib.util
+    return ([] if importlib.util.find_spec("playwright") else ["playwright"]) + ([] if chromium_path() else ["chromium"])
+
+
+def browser_available() -> bool:
+    return not browser_missing()

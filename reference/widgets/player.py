@@ -79,7 +79,8 @@ class Player:
         for c in self.controls.values():
             c.observe(lambda ch: self._rebuild(), names="value")
         top = [W.HTML(f"<b>{self.title}</b>")] if self.title else []
-        row = W.HBox([self.play, self.slider] + list(self.controls.values()))
+        row = W.HBox([self.play, self.slider] + list(self.controls.values()),
+                     layout=W.Layout(flex_flow="row wrap"))     # many controls wrap, not hide off-screen
         self._widget = W.VBox(top + [row, self.image, self.text])
         return self._widget
 

@@ -1,0 +1,269 @@
+"""Every notebook as a learner first meets it: JupyterLab in headless Chromium, all cells run, widgets moved.
+
+The notebooks are the student release's (built once per session, see conftest.py), with the stubs as
+shipped: what a learner opens before writing anything.  For each one, open it in a fresh JupyterLab
+workspace (a copy in a temporary folder, so nothing is written back), run all cells, and check that
+
+* no cell ends in an error, the kernel imported the release's packages, no explaining cell waits
+  for a solution and grading cells say "not implemented" (tests/release_notebooks.py; when this
+  test runs, test_classroom_release.py leaves its own nbclient run of the notebooks to it),
+* every widget output rendered as a widget (no "Error displaying widget", none left loading),
+* moving each step slider one notch changes the picture under it, and pressing Play does too.
+
+Screenshots (the whole notebook after the run, each widget before and after it moved) are kept in
+``build/screenshots/browser/`` for a person to look at.
+
+Needs Debian's ``chromium`` (``apt install chromium``; playwright drives that system browser, no
+browser download) and the ``playwright`` Python package (in the ``test`` extra).  Without them the
+test is skipped with that message; ``COURSE_BROWSER_TEST=required`` (set by ``.ci/run``) turns the
+skip into a failure.  ``COURSE_CHROMIUM=/path/to/chrome`` picks another Chromium.  Notebooks run
+two at a time (two kernels on a 2-core machine).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BROWSER_HOW, browser_missing, chromium_path
+from tests.release_notebooks import WHERE, problems
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+SHOTS = ROOT / "build" / "screenshots" / "browser"
+TOKEN = "course-browser-test"
+
+
+def _require_browser():
+    missing = browser_missing()
+    if missing:
+        msg = f"missing {', '.join(missing)}: {BROWSER_HOW}"
+        if os.environ.get("COURSE_BROWSER_TEST") == "required":
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory, request):
+    """JupyterLab (the course's own lab settings) on a copy of the release's notebooks, its kernels
+    importing the release; the app is exposed to the page for the test.  -> (url, release folder)"""
+    _require_browser()
+    release = request.getfixturevalue("student_release")
+    tmp = tmp_path_factory.mktemp("browser")
+    shutil.copytree(release / "notebooks", tmp / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    port = _free_port()
+    env = dict(os.environ, JUPYTER_CONFIG_PATH=str(ROOT / "scripts" / "jupyter"), JUPYTER_CONFIG_DIR=str(tmp / "cfg"),
+               JUPYTER_RUNTIME_DIR=str(tmp / "rt"), BROWSER="true", PYTHONUNBUFFERED="1", PYTHONPATH=str(release))
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+           f"--ServerApp.token={TOKEN}", f"--ServerApp.root_dir={tmp / 'notebooks'}",
+           f"--LabApp.workspaces_dir={tmp / 'ws'}", "--LabApp.expose_app_in_browser=True", "--allow-root"]
+    log = open(tmp / "lab.log", "wb")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={TOKEN}", timeout=3):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("JupyterLab did not start:\n" + (tmp / "lab.log").read_text()[-3000:])
+                time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}", release
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser(lab):
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=chromium_path(), headless=True,
+                              args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+# -- in the page ------------------------------------------------------------------------------------
+
+_OPENED = """async () => {          // wait (up to 90 s) for the notebook, its kernel and the commands
+  const sleep = ms => new Promise(r => setTimeout(r, ms));
+  for (let t = 0; t < 180; t++, await sleep(500)) {
+    const app = window.jupyterapp;
+    if (!app) continue;
+    await app.restored;
+    if (!app.commands.hasCommand('notebook:run-all-cells')) continue;
+    const w = [...app.shell.widgets('main')].find(x => x.content && x.content.model && x.sessionContext);
+    if (!w) continue;
+    await w.context.ready; await w.sessionContext.ready;
+    if (!(w.sessionContext.session && w.sessionContext.session.kernel)) continue;
+    app.shell.activateById(w.id);
+    return true;
+  }
+  return false;
+}"""
+_START_RUN = """(whereCode) => {              // start "Run All Cells"; window.__courseRun holds the summary when done
+  const app = window.jupyterapp;
+  const w = [...app.shell.widgets('main')].find(x => x.content && x.content.model && x.sessionContext);
+  app.shell.activateById(w.id);
+  window.__courseRun = null;
+  app.commands.execute('notebook:run-all-cells').then(() => where(w).then(imported => {
+                                                        window.__courseRun = Object.assign(summary(w), {imported}); }),
+                                                      e => { window.__courseRun = {errors: [String(e)], views: 0, unrun: -1}; });
+  async function where(w) {         // which packages the kernel imported
+    let text = '';
+    const f = w.sessionContext.session.kernel.requestExecute({code: whereCode});
+    f.onIOPub = m => { if (m.header.msg_type === 'stream') text += m.content.text; };
+    await f.done;
+    return (text.split('\\n').find(l => l.startsWith('IMPORTED')) || '').split(' ').slice(1);
+  }
+  function summary(w) {
+  const model = w.content.model.toJSON();
+  const errors = [], views = [];
+  model.cells.forEach((c, i) => (c.outputs || []).forEach(o => {
+    if (o.output_type === 'error') errors.push(`cell ${i}: ${o.ename}: ${o.evalue}`);
+    if (o.data && o.data['application/vnd.jupyter.widget-view+json']) views.push(i);
+  }));
+  const unrun = model.cells.filter(c => c.cell_type === 'code' && c.source.trim() && c.execution_count === null).length;
+  return {errors, views: views.length, unrun, cells: model.cells};
+  }
+}"""
+_WIDGETS = """() => {             // each top-level widget output, marked for the locators below
+  const found = [...document.querySelectorAll('.jp-Cell .jp-OutputArea-output')].filter(e =>
+    !e.parentElement.closest('.jupyter-widgets') &&
+    (e.querySelector('.jupyter-widgets') || /Error displaying widget|Loading widget/.test(e.textContent)));
+  return found.map((e, i) => { e.setAttribute('data-course-widget', String(i)); return {
+    ok: !!e.querySelector('.jupyter-widgets') && !/Error displaying widget|Loading widget/.test(e.textContent),
+    text: e.textContent.slice(0, 200)}; });
+}"""
+
+
+def _wait_changed(locator, before: bytes, seconds: float = 15.0) -> bytes | None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        after = locator.screenshot()
+        if after != before:
+            time.sleep(0.4)                      # let the frame finish drawing, then keep that picture
+            return locator.screenshot()
+    return None
+
+
+PARALLEL = 2                      # notebooks running at once (two kernels on a 2-core machine)
+RUN_LIMIT = 300                   # seconds one notebook may take to run all its cells
+
+
+@pytest.fixture(scope="module")
+def executed(lab, browser):
+    """Open every notebook in its own fresh workspace and run all its cells, PARALLEL at a time.
+    -> {name: (page, summary of the run, seconds)}; the pages stay open for the widget checks."""
+    url, _ = lab
+    queue, running, done = list(NOTEBOOKS), {}, {}
+    t_all = time.perf_counter()
+    try:
+        while queue or running:
+            while queue and len(running) < PARALLEL:
+                name = queue.pop(0)
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                done[name] = (page, None, 0.0)
+                t0 = time.perf_counter()
+                page.goto(f"{url}/lab/workspaces/test-{Path(name).stem}/tree/{name}?reset&token={TOKEN}")
+                if not page.evaluate(_OPENED):
+                    done[name] = (page, {"errors": ["the notebook or its kernel did not open within 90 s"],
+                                         "views": 0, "unrun": -1}, time.perf_counter() - t0)
+                    continue
+                page.evaluate(_START_RUN, WHERE)
+                running[name] = (page, t0)
+            time.sleep(0.5)
+            for name, (page, t0) in list(running.items()):
+                summary = page.evaluate("() => window.__courseRun")
+                if summary is None and time.perf_counter() - t0 > RUN_LIMIT:
+                    summary = {"errors": [f"still running after {RUN_LIMIT} s"], "views": 0, "unrun": -1}
+                if summary is not None:
+                    done[name] = (page, summary, time.perf_counter() - t0)
+                    del running[name]
+        print(f"\nall {len(NOTEBOOKS)} notebooks ran in the browser in {time.perf_counter() - t_all:.1f} s "
+              f"({PARALLEL} at a time)")
+        yield done
+    finally:
+        for page, _, _ in done.values():
+            page.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs_and_its_widgets_move_in_a_real_browser(lab, executed, name):
+    executed_release = lab[1]
+    page, result, run_seconds = executed[name]
+    out = SHOTS / Path(name).stem
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    t0 = time.perf_counter()
+    page.screenshot(path=str(out / "00-after-run-all.png"))
+    assert not result["errors"], f"{name}: cells ended in errors: {result['errors']}"
+    assert result["unrun"] == 0, f"{name}: {result['unrun']} code cells did not run"
+    bad = problems(result["cells"], result["imported"], str(executed_release))
+    assert not bad, f"{name} in the release:\n" + "\n".join(bad)
+
+    shown = page.evaluate(_WIDGETS)
+    assert len(shown) == result["views"], f"{name}: {result['views']} widget outputs, {len(shown)} on the page"
+    bad = [s["text"] for s in shown if not s["ok"]]
+    assert not bad, f"{name}: widgets did not render: {bad}"
+
+    outputs = page.locator("[data-course-widget]")
+    sliders = plays = 0
+    for i in range(outputs.count()):
+        box = outputs.nth(i)
+        for j in range(box.locator(".widget-slider").count()):
+            slider = box.locator(".widget-slider").nth(j)
+            handle = slider.locator(".noUi-handle").first
+            if slider.locator(".noUi-target[disabled]").count() or not handle.count():
+                continue
+            box.scroll_into_view_if_needed()
+            before = box.screenshot(path=str(out / f"w{i:02d}-slider{j}-before.png"))
+            readout = slider.locator(".widget-readout").first.text_content()
+            handle.focus()
+            handle.press("ArrowRight")
+            if slider.locator(".widget-readout").first.text_content() == readout:
+                handle.press("ArrowLeft")     # it was at its last step
+            after = _wait_changed(box, before)
+            assert after is not None, f"{name}: moving slider {j} of widget {i} did not change the picture"
+            (out / f"w{i:02d}-slider{j}-after.png").write_bytes(after)
+            sliders += 1
+        for j in range(box.locator(".widget-play").count()):
+            play = box.locator(".widget-play button").first
+            before = box.screenshot()
+            play.click()
+            after = _wait_changed(box, before)
+            box.locator(".widget-play button").nth(1).click()   # pause
+            assert after is not None, f"{name}: pressing Play on widget {i} did not change the picture"
+            (out / f"w{i:02d}-play{j}-after.png").write_bytes(after)
+            plays += 1
+    source = "\n".join("".join(c["source"]) for c in result["cells"])
+    if "player(" in source:
+        assert sliders and plays, f"{name}: shows a player but no slider or Play button could be moved"
+    seconds = time.perf_counter() - t0
+    print(f"\n{name}: all cells ran in {run_seconds:.1f} s; {result['views']} widgets, {sliders} sliders and "
+          f"{plays} Play buttons moved in {seconds:.1f} s; screenshots in {out.relative_to(ROOT)}")
