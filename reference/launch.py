@@ -57,6 +57,7 @@ DEFAULT_TIMEOUT = 60.0      # seconds a run may take
 START_TIMEOUT = 120.0       # seconds ranks may take to import torch and rendezvous
 ERROR_GRACE = 1.0           # after a first error, how long to wait for other ranks' reports
 STATUS_BYTES = 240
+OUTPUT_LIMIT = int(os.environ.get("COURSE_RANK_OUTPUT_KB", "256")) * 1024   # what a rank prints per run, kept
 
 
 # ----------------------------------------------------------------------------------------------
@@ -341,6 +342,7 @@ class World:
         first_error_at: float | None = None
         conn_rank = {id(c): r for r, c in enumerate(self._conns)}
         open_conns = set(range(n))
+        printed: dict[int, int] = {}
 
         def handle(rank: int, msg: tuple) -> None:
             nonlocal first_error_at
@@ -349,6 +351,13 @@ class World:
                 self._status[rank] = msg[1]
             elif kind == "out":
                 text = msg[1]
+                kept = printed.get(rank, 0)
+                printed[rank] = kept + len(text)
+                if kept >= OUTPUT_LIMIT:
+                    return                       # past the limit: read and dropped, memory stays bounded
+                if kept + len(text) > OUTPUT_LIMIT:
+                    text = text[:OUTPUT_LIMIT - kept] + (f"\n... (more output not shown: each rank keeps "
+                                                         f"{OUTPUT_LIMIT // 1024} KiB per run)")
                 lines = "".join(f"[rank {rank}] {line}\n" for line in text.splitlines())
                 out.append(lines)
                 if self.echo:

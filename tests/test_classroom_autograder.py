@@ -78,3 +78,64 @@ def test_run_autograder_writes_a_zero_result_when_the_grader_itself_cannot_run(b
     assert proc.returncode == 0
     doc = json.loads(results.read_text())
     assert doc["score"] == 0 and "autograder itself failed" in doc["output"]
+
+
+def _nobody_runs(python: str):
+    """The ``nobody`` user, if we are root and it can run ``python`` with torch (else None)."""
+    import pwd
+    try:
+        user = pwd.getpwnam("nobody")
+    except KeyError:
+        return None
+    if os.geteuid() != 0:
+        return None
+    r = subprocess.run([python, "-c", "import torch"], cwd="/", capture_output=True, env={"PATH": "/usr/bin:/bin"},
+                       user=user.pw_uid, group=user.pw_gid, extra_groups=[])
+    return user if r.returncode == 0 else None
+
+
+@pytest.mark.skipif(_nobody_runs(sys.executable) is None,
+                    reason="needs root, a user 'nobody', and this clone's interpreter runnable by nobody")
+def test_a_locked_bundle_grades_as_nobody_who_can_read_no_solution_check_or_hidden_check(bundle, no_orphans):
+    import shutil
+    import tempfile
+    user = _nobody_runs(sys.executable)
+    with tempfile.TemporaryDirectory(prefix="locked-bundle-") as d:    # pytest's own tmp folders are mode 700
+        os.chmod(d, 0o755)
+        _grade_locked(bundle, Path(d), user)
+
+
+def _grade_locked(bundle: Path, tmp_path: Path, user) -> None:
+    import shutil
+    src = tmp_path / "source"
+    shutil.copytree(bundle, src)
+    (src / ".venv").mkdir()                                 # stands for setup.sh's interpreter folder
+    (src / ".venv" / "marker").write_text("readable")
+    subprocess.run(["bash", str(src / "lock_source.sh"), str(src)], check=True)
+
+    def can_read(path: Path) -> bool:
+        return subprocess.run(["cat", str(path)], capture_output=True, user=user.pw_uid, group=user.pw_gid,
+                              extra_groups=[]).returncode == 0
+    assert can_read(src / ".venv" / "marker")
+    for rel in ("reference/collectives.py", "exercises/grading/hidden.py", "exercises/grading/checks/collectives.py",
+                "exercises/grading/core.py", "run_autograder"):
+        assert not can_read(src / rel), rel
+    # and grading still works: the honest ring earns full marks, reloading the reference earns nothing
+    for fixture, full in (("_ring.py", True), ("reloads_reference/collectives.py", False)):
+        sub = tmp_path / f"sub-{full}"
+        (sub / "exercises").mkdir(parents=True)
+        (sub / "exercises" / "collectives.py").write_text((ROOT / "tests" / "submissions" / fixture).read_text())
+        sub.chmod(0o755)
+        results = tmp_path / f"results-{full}" / "results.json"
+        env = dict(os.environ, AUTOGRADER_SOURCE=str(src), AUTOGRADER_SUBMISSION=str(sub), GRADER_RUN_AS="nobody",
+                   AUTOGRADER_RESULTS=str(results), AUTOGRADER_PYTHON=sys.executable, AUTOGRADER_IDS="0.1 0.2",
+                   GRADER_TIMEOUT="20")
+        env.pop("PYTHONPATH", None)
+        proc = subprocess.run(["bash", str(src / "run_autograder")], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        doc = json.loads(results.read_text())
+        lost = [(t["name"], t["output"][:200]) for t in doc["tests"] if t["status"] != "passed"]
+        if full:
+            assert doc["score"] == sum(REGISTRY[i].points for i in ("0.1", "0.2")), (lost, proc.stderr[-2000:])
+        else:
+            assert doc["score"] == 0, [(t["name"], t["output"][:200]) for t in doc["tests"] if t["score"]]

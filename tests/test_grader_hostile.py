@@ -202,3 +202,43 @@ def test_a_run_as_user_who_cannot_read_the_submission_gets_one_clear_message(tmp
     assert "Traceback" not in proc.stderr and "unset GRADER_RUN_AS" in proc.stderr
     doc = json.loads(out.read_text())
     assert doc["score"] == 0 and "could not run" in doc["output"]
+
+
+def _nobody_can_run_this_python() -> bool:
+    user = _nobody()
+    if os.geteuid() != 0 or user is None:
+        return False
+    r = subprocess.run([sys.executable, "-c", "import torch, reference.launch"], cwd="/", capture_output=True,
+                       user=user.pw_uid, group=user.pw_gid, extra_groups=[], env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(not _nobody_can_run_this_python(),
+                    reason="needs root, a user 'nobody', and this clone readable by nobody (not in a mode-700 folder)")
+def test_reloading_or_reimporting_the_reference_finds_only_stubs_when_code_runs_as_another_user(tmp_path, no_orphans):
+    env = dict(os.environ, GRADER_RUN_AS="nobody")
+    proc, doc = run_grade(tmp_path, "reloads_reference", ("0.1", "0.2"), env=env, timeout=20)
+    assert doc is not None, proc.stderr[-3000:]
+    assert doc["score"] == 0, [(t["name"], t["output"][:300]) for t in doc["tests"] if t["score"]]
+    # the attack is real: run as the grader itself (local mode, which the docs warn trusts the code)
+    # the reloaded module is the full reference
+    env.pop("GRADER_RUN_AS")
+    proc, doc = run_grade(tmp_path, "reloads_reference", ("0.1",), env=env, timeout=20)
+    assert doc is not None and doc["score"] > 0, proc.stderr[-3000:]
+    assert "runs submitted code as you" in (ROOT / "docs" / "teachers.md").read_text()
+
+
+@pytest.mark.skipif(not _nobody_can_run_this_python(), reason="needs root, a user 'nobody' and a clone it can read")
+def test_the_runner_imports_a_stripped_course_without_hidden_checks(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADER_RUN_AS", "nobody")
+    try:
+        d = Path(core.runtime_dir())
+        text = (d / "reference" / "collectives.py").read_text()
+        assert not (d / "exercises" / "grading" / "hidden.py").exists()
+        assert not list(d.rglob("oracle_answers.pt"))
+        assert "def ring_all_reduce" in text and "exercises.collectives" in text
+        full = (ROOT / "reference" / "collectives.py").read_text()
+        assert len(text) < len(full)                # the bodies are delegations now
+        assert oct(d.stat().st_mode & 0o777) == "0o755"
+    finally:
+        core.remove_scratch()

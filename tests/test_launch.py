@@ -50,6 +50,17 @@ def test_what_ranks_print_reaches_the_caller_with_their_rank(capsys, world):
     assert "[rank 0] hi from rank 0" in out and "[rank 1] hi from rank 1" in out
 
 
+def test_what_a_rank_prints_is_kept_up_to_a_limit_so_a_flood_costs_no_memory(world):
+    from reference import launch
+    res = world(2).run(W.flood, 8)                     # 8 MB from each rank
+    assert res.values == [0, 1]
+    assert len(res.output) < 2 * launch.OUTPUT_LIMIT * 1.1 + 1000     # the kept text and its "[rank r] " prefixes
+    for r in (0, 1):
+        assert f"[rank {r}] ... (more output not shown: each rank keeps {launch.OUTPUT_LIMIT // 1024} KiB" in res.output
+    small = world(2).run(W.shout, "again")             # the limit is per run: the next run prints again
+    assert "[rank 1] again from rank 1" in small.output
+
+
 def test_exception_names_rank_type_message_and_traceback_and_stops_the_others(no_orphans):
     t0 = time.monotonic()
     with pytest.raises(WorldError) as info:

@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing import connection as mpc
@@ -197,7 +198,7 @@ class Runner:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", f"from exercises.grading.runner import main; main({child.fileno()}, {setup!r})"],
             pass_fds=(child.fileno(),), env=runner_env(user), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True, cwd=os.getcwd(),
+            stderr=subprocess.DEVNULL, start_new_session=True, cwd=runtime_dir() if user else os.getcwd(),
             **(dict(user=user.pw_uid, group=user.pw_gid, extra_groups=[]) if user else {}))
         child.close()
         self.conn = mpc.Connection(parent.detach())
@@ -342,10 +343,12 @@ def run_as():
 
 def runner_env(user) -> dict[str, str]:
     """The runner's environment.  As another user: a minimal one (nothing of the grader's own
-    variables), with a home and a temporary folder of that user's own."""
+    variables), with a home and a temporary folder of that user's own, and the stripped course of
+    :func:`runtime_dir` first on its path."""
     path = os.pathsep.join(dict.fromkeys(p or os.getcwd() for p in sys.path))
     if user is None:
         return dict(os.environ, PYTHONPATH=path)
+    path = os.pathsep.join([runtime_dir(), path])
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": path, "LANG": "C.UTF-8",
            "HOME": _scratch(user), "TMPDIR": _scratch(user), "PYTHONDONTWRITEBYTECODE": "1"}
     env.update({k: v for k, v in os.environ.items() if k in ("GRADER_SPAWN", "OMP_NUM_THREADS")})
@@ -368,9 +371,35 @@ def _scratch(user) -> str:
 
 def remove_scratch() -> None:
     import shutil
-    for d in _SCRATCH.values():
+    for d in list(_SCRATCH.values()) + list(_RUNTIME.values()):
         shutil.rmtree(d, ignore_errors=True)
     _SCRATCH.clear()
+    _RUNTIME.clear()
+
+
+_RUNTIME: dict[str, str] = {}
+RUNTIME_LEAVE_OUT = {"exercises/grading/hidden.py", "exercises/grading/release.py"}
+
+
+def runtime_dir() -> str:
+    """The course as submitted code may see it (as another user, ``GRADER_RUN_AS``): a copy of
+    ``reference/`` and ``exercises/`` in which every graded reference function is a delegation to
+    the learner's own (as in the student release), without the hidden checks or recorded answers.
+    The runner imports from here (and starts here), so reloading, re-importing or reading a
+    reference module finds no solution; the bundle's own files are root's alone (``lock_source.sh``).
+    Built once per grading, readable by everyone, writable by nobody but its owner."""
+    if "dir" not in _RUNTIME:
+        import tempfile
+        from . import release
+        d = Path(tempfile.mkdtemp(prefix="grader-runtime-"))
+        _RUNTIME["dir"] = str(d)
+        release._copy_tree(["reference", "exercises"], d, RUNTIME_LEAVE_OUT)
+        release.strip_solutions(d)
+        for dirpath, dirnames, filenames in os.walk(d):
+            os.chmod(dirpath, 0o755)
+            for f in filenames:
+                os.chmod(os.path.join(dirpath, f), 0o644)
+    return _RUNTIME["dir"]
 
 
 _PROBE = r"""
@@ -400,7 +429,7 @@ def preflight(solutions: str) -> None:
            f"executable) by {user.pw_name!r} — e.g. keep them outside a private (mode 700) home folder, or "
            f"`chmod -R o+rX` them — or unset GRADER_RUN_AS to run learner code as yourself.")
     try:
-        r = subprocess.run(cmd, env=runner_env(user), cwd=os.getcwd(), capture_output=True, text=True, timeout=120,
+        r = subprocess.run(cmd, env=runner_env(user), cwd=runtime_dir(), capture_output=True, text=True, timeout=120,
                            user=user.pw_uid, group=user.pw_gid, extra_groups=[])
     except PermissionError as e:
         raise SetupError(f"GRADER_RUN_AS={user.pw_name!r} cannot run the grader's Python {sys.executable} "

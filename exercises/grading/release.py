@@ -241,7 +241,22 @@ python3 scripts/bootstrap.py
 if [ "$(id -u)" = 0 ] && ! id student >/dev/null 2>&1; then
     useradd --no-create-home --shell /usr/sbin/nologin student || true
 fi
-chmod -R a+rX "$SOURCE"
+bash "$SOURCE/lock_source.sh" "$SOURCE"
+"""
+
+LOCK_SOURCE_SH = r"""#!/usr/bin/env bash
+# Leave submitted code (run as an unprivileged user, GRADER_RUN_AS) what it needs and nothing more:
+# the interpreter and its packages (.venv) stay readable by everyone; the reference solutions, the
+# checks and the hidden checks become root's alone.  The grader gives the runner its own stripped
+# copy of the course (exercises/grading/core.py: runtime_dir), so nothing there needs these files.
+# setup.sh runs this; to try it locally: bash lock_source.sh /path/to/unpacked/bundle
+set -euo pipefail
+SOURCE="${1:-${AUTOGRADER_SOURCE:-/autograder/source}}"
+chmod 711 "$SOURCE"
+for p in "$SOURCE"/* "$SOURCE"/.[!.]*; do
+    [ -e "$p" ] || continue
+    if [ "$(basename "$p")" = .venv ]; then chmod -R a+rX "$p"; else chmod -R go-rwx "$p"; fi
+done
 """
 
 RUN_AUTOGRADER = r"""#!/usr/bin/env bash
@@ -260,8 +275,11 @@ PYTHON="${AUTOGRADER_PYTHON:-$SOURCE/.venv/bin/python}"
 mkdir -p "$(dirname "$RESULTS")"
 rm -f "$RESULTS"
 WORK="$(mktemp -d)"
-# Submitted code runs as an unprivileged user when we are root and setup.sh made one.
-if [ "$(id -u)" = 0 ] && id student >/dev/null 2>&1; then export GRADER_RUN_AS=student; fi
+# Submitted code runs as an unprivileged user when we are root and setup.sh made one (or as
+# GRADER_RUN_AS when it is set).
+if [ -z "${GRADER_RUN_AS:-}" ] && [ "$(id -u)" = 0 ] && id student >/dev/null 2>&1; then
+    export GRADER_RUN_AS=student
+fi
 cleanup() {
     rm -rf "$WORK"
     # whatever submitted code left in the temporary folders (it could write nowhere else)
@@ -354,7 +372,7 @@ def build_autograder(out: Path) -> Path:
         shutil.rmtree(bundle)
     bundle.mkdir(parents=True)
     _copy_tree(AUTOGRADER_PATHS, bundle)
-    for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER)):
+    for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER), ("lock_source.sh", LOCK_SOURCE_SH)):
         p = bundle / name
         p.write_text(text)
         p.chmod(p.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)

@@ -22,6 +22,14 @@ def shout(word):
     return dist.get_rank()
 
 
+def flood(megabytes):
+    """Print ``megabytes`` MB of lines (both streams), then return the rank."""
+    line = "x" * 99
+    for i in range(megabytes * 10_000):
+        print(line, file=sys.stderr if i % 2 else sys.stdout)
+    return dist.get_rank()
+
+
 def raise_on(bad_rank):
     if dist.get_rank() == bad_rank:
         raise ValueError(f"bad shape on rank {bad_rank}")
