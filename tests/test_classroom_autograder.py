@@ -89,8 +89,11 @@ def _nobody_runs(python: str):
         return None
     if os.geteuid() != 0:
         return None
-    r = subprocess.run([python, "-c", "import torch"], cwd="/", capture_output=True, env={"PATH": "/usr/bin:/bin"},
-                       user=user.pw_uid, group=user.pw_gid, extra_groups=[])
+    try:
+        r = subprocess.run([python, "-c", "import torch"], cwd="/", capture_output=True, env={"PATH": "/usr/bin:/bin"},
+                           user=user.pw_uid, group=user.pw_gid, extra_groups=[], timeout=120)
+    except (OSError, subprocess.SubprocessError):      # e.g. a clone in a mode-700 home folder
+        return None
     return user if r.returncode == 0 else None
 
 

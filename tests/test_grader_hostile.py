@@ -208,8 +208,12 @@ def _nobody_can_run_this_python() -> bool:
     user = _nobody()
     if os.geteuid() != 0 or user is None:
         return False
-    r = subprocess.run([sys.executable, "-c", "import torch, reference.launch"], cwd="/", capture_output=True,
-                       user=user.pw_uid, group=user.pw_gid, extra_groups=[], env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    try:
+        r = subprocess.run([sys.executable, "-c", "import torch, reference.launch"], cwd="/", capture_output=True,
+                           user=user.pw_uid, group=user.pw_gid, extra_groups=[],
+                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}, timeout=120)
+    except (OSError, subprocess.SubprocessError):      # e.g. a clone in a mode-700 home folder
+        return False
     return r.returncode == 0
 
 
