@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from exercises.grading import core, release
+from tests.conftest import nobody_who_can_run
 
 ROOT = Path(__file__).resolve().parent.parent
 REGISTRY = core.load_checks()
@@ -80,29 +81,11 @@ def test_run_autograder_writes_a_zero_result_when_the_grader_itself_cannot_run(b
     assert doc["score"] == 0 and "autograder itself failed" in doc["output"]
 
 
-def _nobody_runs(python: str):
-    """The ``nobody`` user, if we are root and it can run ``python`` with torch (else None)."""
-    import pwd
-    try:
-        user = pwd.getpwnam("nobody")
-    except KeyError:
-        return None
-    if os.geteuid() != 0:
-        return None
-    try:
-        r = subprocess.run([python, "-c", "import torch"], cwd="/", capture_output=True, env={"PATH": "/usr/bin:/bin"},
-                           user=user.pw_uid, group=user.pw_gid, extra_groups=[], timeout=120)
-    except (OSError, subprocess.SubprocessError):      # e.g. a clone in a mode-700 home folder
-        return None
-    return user if r.returncode == 0 else None
-
-
-@pytest.mark.skipif(_nobody_runs(sys.executable) is None,
+@pytest.mark.skipif(nobody_who_can_run(sys.executable) is None,
                     reason="needs root, a user 'nobody', and this clone's interpreter runnable by nobody")
 def test_a_locked_bundle_grades_as_nobody_who_can_read_no_solution_check_or_hidden_check(bundle, no_orphans):
-    import shutil
     import tempfile
-    user = _nobody_runs(sys.executable)
+    user = nobody_who_can_run(sys.executable)
     with tempfile.TemporaryDirectory(prefix="locked-bundle-") as d:    # pytest's own tmp folders are mode 700
         os.chmod(d, 0o755)
         _grade_locked(bundle, Path(d), user)

@@ -248,7 +248,7 @@ LOCK_SOURCE_SH = r"""#!/usr/bin/env bash
 # Leave submitted code (run as an unprivileged user, GRADER_RUN_AS) what it needs and nothing more:
 # the interpreter and its packages (.venv) stay readable by everyone; the reference solutions, the
 # checks and the hidden checks become root's alone.  The grader gives the runner its own stripped
-# copy of the course (exercises/grading/core.py: runtime_dir), so nothing there needs these files.
+# copy of the course (exercises/grading/sandbox.py: runtime_dir), so nothing there needs these files.
 # setup.sh runs this; to try it locally: bash lock_source.sh /path/to/unpacked/bundle
 set -euo pipefail
 SOURCE="${1:-${AUTOGRADER_SOURCE:-/autograder/source}}"
