@@ -2,7 +2,8 @@
 
 Use ``reference.comm`` to talk to other ranks: ``comm.exchange([(tensor, dst)], [(buffer, src)])``
 posts a send and a receive together and returns something you ``.wait()`` on; ``comm.ring_peers()``
-gives ``(next, prev)``.  (Plain ``torch.distributed`` works too.)  Check your work with
+gives ``(next, prev)``.  (Plain ``torch.distributed`` send/recv work too; its collectives are
+switched off while these exercises are graded — building them is the exercise.)  Check your work with
 ``check("0.1")`` in the notebook or ``python -m exercises.grade 0.1``.
 """
 from __future__ import annotations

@@ -9,6 +9,7 @@ Given (not exercises): ``attention_block(q, k, v, causal=..)`` returns ``(out, l
 of keys (the fused CPU kernel; ``attention_block_explicit`` is the same written out with matmuls),
 and ``reference.comm`` for messages: ``comm.exchange([(t, dst)], [(buf, src)]).wait()`` posts a send
 and a receive together; ``comm.ring_peers(group)`` gives ``(next, prev)``; ``comm.all_to_all``.
+While 5a.3 is graded only point-to-point messages work, and in 5a.4 only the all-to-all.
 Check your work with ``check("5a.1")`` in the notebook or ``python -m exercises.grade 5a.1``.
 """
 from __future__ import annotations

@@ -241,3 +241,56 @@ def test_the_runner_imports_a_stripped_course_without_hidden_checks(tmp_path, mo
         assert oct(d.stat().st_mode & 0o777) == "0o755"
     finally:
         core.remove_scratch()
+
+
+# ----------------------------------------------------------------------------------------------
+# Evidence the submission cannot rewrite: the library's collectives are switched off where the
+# exercise is to build one; points for *how* (bytes, neighbours) are feedback only
+
+
+@pytest.mark.parametrize("allowed", [("p2p",), ("all_to_all",)])
+def test_the_guard_shuts_every_door_to_a_library_collective_and_keeps_the_exercises_own(allowed, no_orphans):
+    from reference.launch import run_world
+    from tests.workers.guard_workers import doors
+    for got in run_world(doors, 3, allowed, timeout=60).values:
+        assert got.pop("p2p" if "p2p" in allowed else "a2a") == "ok"
+        reloaded = got.pop("reloaded c10d")
+        assert reloaded != "RAN", reloaded         # a reload only loses the world
+        opened = {k: v for k, v in got.items() if "not allowed in exercise 9.9" not in v
+                  and not v.startswith("AttributeError")}
+        assert not opened, opened
+        assert "not allowed in exercise 9.9" in got["dist.all_reduce"]
+
+
+def test_library_collectives_behind_a_forged_trace_earn_nothing(tmp_path, no_orphans):
+    proc, doc = run_grade(tmp_path, "collective_swap", ("0.1", "0.2", "5a.3"), timeout=20)
+    assert doc is not None, proc.stderr[-3000:]
+    assert doc["score"] == 0, [(t["name"], t["output"][:200]) for t in doc["tests"] if t["score"]]
+    assert sum("is not allowed in exercise" in t["output"] for t in doc["tests"]) >= 10
+    # every check that reads the trace (bytes, neighbours, skipped blocks) carries no points
+    trace_checks = [t for t in doc["tests"] if "trace" in t["name"]]
+    assert len(trace_checks) == 4 and all(t["max_score"] == 0 for t in trace_checks)
+
+
+def test_without_the_guard_the_swap_earns_points_and_its_forged_trace_passes(monkeypatch, no_orphans):
+    """Why the trace checks are feedback only: with the library's collectives available, the forged
+    events make the byte check pass.  (The attack is real; only the guard stops it.)"""
+    registry = core.load_checks()
+    monkeypatch.setattr(registry["0.1"], "comm", None)
+    (res,) = core.grade("tests.submissions.collective_swap", ["0.1"], include_hidden=False, timeout=20)
+    assert res.score == res.max_score > 0, [(c.name, c.message[:200]) for c in res.checks if not c.passed]
+    forged = [c for c in res.checks if "bytes" in c.name]
+    assert forged and forged[0].passed and forged[0].max_score == 0
+
+
+@pytest.mark.skipif(not _nobody_can_run_this_python(), reason="needs root, a user 'nobody' and a clone it can read")
+def test_the_composite_attack_graded_as_nobody_on_fresh_inputs_earns_nothing_within_the_deadline(tmp_path, no_orphans):
+    ids = ("0.1", "0.2", "5a.2", "5a.3", "5a.4", "5b.1", "5b.2", "5b.3", "5b.4")
+    env = dict(os.environ, GRADER_RUN_AS="nobody")
+    t0 = time.monotonic()
+    proc, doc = run_grade(tmp_path, "composite", ids, "--fresh-inputs", env=env, timeout=20)
+    took = time.monotonic() - t0
+    assert doc is not None, proc.stderr[-3000:]
+    assert doc["score"] == 0, [(t["name"], t["output"][:200]) for t in doc["tests"] if t["score"]]
+    assert {t["extra_data"]["exercise"] for t in doc["tests"]} == set(ids)
+    assert took < core.DEADLINE

@@ -59,6 +59,9 @@ class Exercise:
     module: str                 # learner module inside the solutions package: "collectives"
     functions: Sequence[str]    # the names the exercise asks for
     checks: list[Check] = field(default_factory=list)
+    # communication the exercise's worlds offer (None: all); e.g. ("p2p",) when the exercise is to
+    # build a collective from messages (see exercises.grading.allowed_comm)
+    comm: tuple[str, ...] | None = None
 
     @property
     def points(self) -> float:
@@ -82,10 +85,11 @@ CHECK_MODULES = ["exercises.grading.checks.collectives", "exercises.grading.chec
 HIDDEN_MODULES = ["exercises.grading.hidden"]   # teachers' checks; left out of the student release
 
 
-def exercise(id: str, title: str, module: str, functions: Sequence[str]) -> Exercise:
+def exercise(id: str, title: str, module: str, functions: Sequence[str], *,
+             comm: Sequence[str] | None = None) -> Exercise:
     if id in EXERCISES:
         return EXERCISES[id]
-    EXERCISES[id] = ex = Exercise(id, title, module, list(functions))
+    EXERCISES[id] = ex = Exercise(id, title, module, list(functions), comm=None if comm is None else tuple(comm))
     return ex
 
 
@@ -297,6 +301,9 @@ class Context:
         """
         run_timeout = min(x for x in (timeout, world_timeout, self.timeout) if x)
         budget = run_timeout + START_ALLOWANCE + 2 * world_size
+        if self.exercise.comm is not None:   # only the communication the exercise is about
+            args = (self.exercise.comm, self.exercise.id, harness, *args)
+            harness = "exercises.grading.harness:with_allowed_comm"
         reply = self.runner.call(("ranks", world_size, harness, self.module, args, run_timeout), budget)
         self._raise_on_error(reply)
         return RanksResult(reply["values"], reply["trace"], reply.get("output", ""))
@@ -524,7 +531,11 @@ def grade(solutions: str = "exercises", ids: Sequence[str] | None = None, *, inc
     """
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     end = time.monotonic() + (DEADLINE if deadline is None else deadline)
-    preflight(solutions)
+    try:
+        preflight(solutions)
+    except BaseException:
+        remove_scratch()       # the stripped course copy and the private /tmp folder it made
+        raise
     if ORACLE.answers is None and ORACLE.record is None:
         load_oracle_answers()   # a student release: graded reference functions have no bodies here
     registry = load_checks()
@@ -603,11 +614,13 @@ def _grade_exercise(ex: Exercise, solutions: str, runner: Runner, include_hidden
         if res.message.startswith("not implemented yet"):
             skip = "not implemented yet (see above)"
     # error-path checks earn their points only next to a correct value: raising everywhere earns nothing
-    value_passed = any(r.passed for r, c in zip(checks, _run_checks(ex, include_hidden)) if not c.requires_value)
+    # (and so does a trivial case, e.g. one rank returning a copy); feedback-only checks unlock nothing
+    value_passed = any(r.passed for r, c in zip(checks, _run_checks(ex, include_hidden))
+                       if not c.requires_value and c.points > 0)
     for r, c in zip(checks, _run_checks(ex, include_hidden)):
         if c.requires_value and r.passed and not value_passed:
             r.passed, r.score = False, 0.0
-            r.message = ("this error check passes, but its points count only once the same functions also "
+            r.message = ("this check passes, but its points count only once the same functions also "
                          "compute a correct result in another check of this exercise.")
     return ExerciseResult(ex, checks)
 

@@ -10,6 +10,7 @@ never imports learner code.
 """
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import pickle
@@ -259,6 +260,7 @@ def runtime_dir() -> str:
         from . import release
         d = Path(tempfile.mkdtemp(prefix="grader-runtime-"))
         _RUNTIME["dir"] = str(d)
+        atexit.register(remove_scratch)      # also when a caller never reaches grade()'s cleanup
         release._copy_tree(["reference", "exercises"], d, release.STUDENT_LEAVE_OUT)
         release.strip_solutions(d)
         for dirpath, dirnames, filenames in os.walk(d):

@@ -5,13 +5,14 @@ import torch
 
 from reference.collectives import chunk_bounds
 
-from ..core import exercise, salted_seed
+from ..core import CheckFailed, exercise, salted_seed
 from ..feedback import Mismatch
 
 H = "exercises.grading.harness"
 
-ALL_REDUCE = exercise("0.1", "Ring all-reduce from send/recv", "collectives", ["ring_reduce_scatter", "ring_all_reduce"])
-ALL_GATHER = exercise("0.2", "Ring all-gather from send/recv", "collectives", ["ring_all_gather"])
+ALL_REDUCE = exercise("0.1", "Ring all-reduce from send/recv", "collectives", ["ring_reduce_scatter", "ring_all_reduce"],
+                      comm=("p2p",))
+ALL_GATHER = exercise("0.2", "Ring all-gather from send/recv", "collectives", ["ring_all_gather"], comm=("p2p",))
 
 
 def _inputs(world_size: int, shape, seed: int, scale: float = 1.0) -> list[torch.Tensor]:
@@ -43,24 +44,41 @@ def sum_of_two(m: Mismatch) -> str | None:
     return None
 
 
+def _backwards(res, n: int) -> bool:
+    return n >= 3 and all({e["peer"] for e in res.events("send", rank=r)} == {(r - 1) % n} for r in range(n))
+
+
+def _compare_naming_direction(ctx, res, n: int, compare) -> None:
+    """Run the value comparisons; if they fail and the trace shows a backwards ring, say so first
+    (the trace only names the mistake here — the verdict is the values')."""
+    try:
+        compare()
+    except CheckFailed as e:
+        if _backwards(res, n):
+            raise CheckFailed(BACKWARDS + "\n" + str(e)) from None
+        raise
+
+
 def _ring_direction(ctx, res, n: int) -> None:
     """Fail with the misconception by name if every rank sends to its previous rank (n >= 3)."""
-    if n < 3:
-        return
-    backwards = all({e["peer"] for e in res.events("send", rank=r)} == {(r - 1) % n} for r in range(n))
-    ctx.expect(not backwards, "every rank sends to the previous rank: the ring runs the other way round. In this "
-               "course data flows forward: rank r sends to r+1 and receives from r-1 (comm.ring_peers() gives "
-               "(next, prev)); the chunk indices in the hints assume that direction.")
+    ctx.expect(not _backwards(res, n), BACKWARDS)
+
+
+BACKWARDS = ("every rank sends to the previous rank: the ring runs the other way round. In this "
+              "course data flows forward: rank r sends to r+1 and receives from r-1 (comm.ring_peers() gives "
+              "(next, prev)); the chunk indices in the hints assume that direction.")
 
 
 def _all_reduce_case(ctx, n: int, shape, seed: int, scale: float = 1.0, case: str = "") -> None:
     xs = _inputs(n, shape, seed, scale)
     res = ctx.ranks(n, f"{H}:call_per_rank", "ring_all_reduce", [(x,) for x in xs])
-    _ring_direction(ctx, res, n)
     want = torch.stack(xs).sum(0)
-    for r in range(n):
-        ctx.compare(res.values[r], want, "sum", rank=r, world_size=n, atol=1e-9 * scale, rtol=1e-9, case=case,
-                    detectors=[only_own_chunk_summed, sum_of_two], extra={"inputs": xs, "input": xs[r]})
+
+    def compare():
+        for r in range(n):
+            ctx.compare(res.values[r], want, "sum", rank=r, world_size=n, atol=1e-9 * scale, rtol=1e-9, case=case,
+                        detectors=[only_own_chunk_summed, sum_of_two], extra={"inputs": xs, "input": xs[r]})
+    _compare_naming_direction(ctx, res, n, compare)
     return res
 
 
@@ -92,15 +110,21 @@ def _(ctx):
     _all_reduce_case(ctx, 4, (3, 4), seed=3, scale=1e6, case="large values")
 
 
-@ALL_REDUCE.check("a single rank returns a copy of its input")
+@ALL_REDUCE.check("a single rank returns a copy of its input", requires_value=True)
 def _(ctx):
     _all_reduce_case(ctx, 1, (5,), seed=4)
 
 
-@ALL_REDUCE.check("sends exactly 2·(N-1)/N · n bytes per rank, to the next rank only", points=2)
+@ALL_REDUCE.check("sums 64 elements on 4 ranks")
+def _(ctx):
+    _all_reduce_case(ctx, 4, (64,), seed=5)
+
+
+@ALL_REDUCE.check("sends exactly 2·(N-1)/N · n bytes per rank, to the next rank only (trace; feedback only, no points)", points=0)
 def _(ctx):
     n, numel = 4, 64
     res = _all_reduce_case(ctx, n, (numel,), seed=5)
+    _ring_direction(ctx, res, n)
     want = 2 * (n - 1) * (numel // n) * 8
     sent = {r: 0 for r in range(n)}
     peers: dict[int, set] = {r: set() for r in range(n)}
@@ -124,9 +148,8 @@ def _gather_case(ctx, n: int, numel: int, seed: int):
         a, b = bounds[(r + 1) % n]
         args.append((full[a:b].clone(), numel))
     res = ctx.ranks(n, f"{H}:call_per_rank", "ring_all_gather", args)
-    _ring_direction(ctx, res, n)
-    for r in range(n):
-        ctx.compare(res.values[r], full, "gathered tensor", rank=r, world_size=n, atol=0, rtol=0)
+    _compare_naming_direction(ctx, res, n, lambda: [
+        ctx.compare(res.values[r], full, "gathered tensor", rank=r, world_size=n, atol=0, rtol=0) for r in range(n)])
     return res
 
 
@@ -140,10 +163,16 @@ def _(ctx):
     _gather_case(ctx, 3, 10, seed=12)
 
 
-@ALL_GATHER.check("gathers on 4 ranks, sending (N-1)/N · n bytes per rank", points=2)
+@ALL_GATHER.check("gathers on 4 ranks")
+def _(ctx):
+    _gather_case(ctx, 4, 32, seed=13)
+
+
+@ALL_GATHER.check("sends (N-1)/N · n bytes per rank, to the next rank only (trace; feedback only, no points)", points=0)
 def _(ctx):
     n, numel = 4, 32
     res = _gather_case(ctx, n, numel, seed=13)
+    _ring_direction(ctx, res, n)
     want = (n - 1) * (numel // n) * 8
     for r in range(n):
         sent = sum(e["nbytes"] for e in res.events("send", rank=r))

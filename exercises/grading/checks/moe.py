@@ -20,7 +20,7 @@ DEMOS = "reference.moe.demos"
 
 GATING = exercise("5b.1", "Top-1 and top-2 gating with capacity", "moe", ["top_k_gating"])
 AUX = exercise("5b.2", "The load-balancing loss, group-wide", "moe", ["load_balancing_loss"])
-DISPATCH = exercise("5b.3", "Dispatch and combine through all-to-all", "moe", ["dispatch", "combine"])
+DISPATCH = exercise("5b.3", "Dispatch and combine through all-to-all", "moe", ["dispatch", "combine"], comm=("all_to_all",))
 GRADSYNC = exercise("5b.4", "Expert gradients under expert × data parallelism", "moe", ["sync_moe_gradients"])
 
 KEYS = ("probs", "expert_index", "weight", "kept", "slot")
@@ -570,7 +570,7 @@ def _(ctx):
                    hot={0: 1.5, 1: 1.0})
 
 
-@DISPATCH.check("an all-to-all moves E·C rows per rank each way (padded, GShard style)")
+@DISPATCH.check("an all-to-all moves E·C rows per rank each way (padded, GShard style) (trace; feedback only, no points)", points=0)
 def _(ctx):
     W, T, E, k, d = 4, 8, 8, 2, 3
     res, C = _dispatch_case(ctx, W, T, E, k, 1.0, seed=35, case="W=4, forward only", backward=False)

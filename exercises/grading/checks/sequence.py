@@ -27,8 +27,9 @@ RANKS_TIMEOUT = 12.0   # seconds: every multi-rank run here takes well under one
 MERGE = exercise("5a.1", "Merge two partial attention results (online softmax)", "sequence", ["merge_attention"])
 SHARD = exercise("5a.2", "Shard a sequence: contiguous, zigzag, striped", "sequence",
                  ["shard_sequence", "unshard_sequence"])
-RING = exercise("5a.3", "Ring attention forward", "sequence", ["ring_attention_forward"])
-ULYSSES = exercise("5a.4", "The Ulysses all-to-all", "sequence", ["seq_to_heads", "heads_to_seq"])
+RING = exercise("5a.3", "Ring attention forward", "sequence", ["ring_attention_forward"], comm=("p2p",))
+ULYSSES = exercise("5a.4", "The Ulysses all-to-all", "sequence", ["seq_to_heads", "heads_to_seq"],
+                   comm=("all_to_all",))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -536,7 +537,7 @@ def _ring_run(ctx, W: int, qkv, causal: bool, layout: str, **kw):
     return res
 
 
-@RING.check("one rank (W=1) gives full attention, causal and not", timeout=RANKS_TIMEOUT)
+@RING.check("one rank (W=1) gives full attention, causal and not", timeout=RANKS_TIMEOUT, requires_value=True)
 def _(ctx):
     for causal in (False, True):
         _ring_run(ctx, 1, ring_inputs(2, 2, 8, 8, seed=301), causal, "contiguous")
@@ -602,7 +603,8 @@ def judge_ring_messages(trace: list[dict], W: int, n: int, Hkv: int, D: int, ite
                               f"(W−1)·2·n·H·D·itemsize = {W - 1}·2·{n}·{Hkv}·{D}·{itemsize} = {want}{hint}.")
 
 
-@RING.check("K/V travel forward: rank r sends (W−1)·2·n·H·D·b bytes to r+1 only, receives from r−1 only", timeout=RANKS_TIMEOUT)
+@RING.check("K/V travel forward: rank r sends (W−1)·2·n·H·D·b bytes to r+1 only, receives from r−1 only"
+            " (trace; feedback only, no points)", points=0, timeout=RANKS_TIMEOUT)
 def _(ctx):
     W, S, Hh, D = 4, 16, 2, 8
     res = _ring_run(ctx, W, ring_inputs(1, Hh, S, D, seed=340), False, "contiguous")
@@ -629,7 +631,8 @@ def judge_skipping(values: list[Any], trace: list[dict], W: int, n: int) -> None
                               f"pairs = c²·r + c(c+1)/2 (c = {n}).")
 
 
-@RING.check("fully masked blocks are skipped, not computed and thrown away (contiguous causal, W=4)", timeout=RANKS_TIMEOUT)
+@RING.check("fully masked blocks are skipped, not computed and thrown away (contiguous causal, W=4)"
+            " (trace; feedback only, no points)", points=0, timeout=RANKS_TIMEOUT)
 def _(ctx):
     W, S = 4, 16
     res = _ring_run(ctx, W, ring_inputs(1, 2, S, 8, seed=350), True, "contiguous")

@@ -1,0 +1,1 @@
+"""Attack fixture: library collectives instead of the ring, hidden from the trace (see collectives.py)."""
