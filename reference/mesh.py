@@ -67,7 +67,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["RankGrid", "AXES", "DENSE_ORDER", "EXPERT_ORDER"]
+__all__ = ["RankGrid", "AXES", "DENSE_ORDER", "EXPERT_ORDER", "rank_groups"]
 
 DENSE_ORDER = ("tp", "cp", "dp", "pp")      # fastest-varying first
 EXPERT_ORDER = ("tp", "ep", "edp", "pp")
@@ -82,6 +82,40 @@ _DESCRIPTIONS = {
     "edp": "expert data parallel: gradient all-reduce of experts",
     "dp_cp": "dense gradient all-reduce: data × context ranks",
 }
+
+
+def rank_groups(sizes: dict[str, int], order: Sequence[str], axis: str | Sequence[str]) -> list[list[int]]:
+    """Every group of ``axis`` on a grid of ``sizes`` laid out in ``order`` (exercise 5c.1).
+
+    sizes: group size per axis, e.g. ``{"tp": 2, "cp": 1, "dp": 2, "pp": 2}``; order: the same axes,
+    **fastest-varying first** (``("tp", "cp", "dp", "pp")`` is Megatron's; picotron's
+    ``view(dp, pp, cp, tp)`` is ``("tp", "cp", "pp", "dp")``).  A rank's coordinates are the digits
+    of its number in that mixed radix::
+
+        rank = c[o0] + s[o0]·(c[o1] + s[o1]·(c[o2] + s[o2]·c[o3]))      o = order, s = sizes
+
+    A group of ``axis`` (one axis, or several: ``("dp", "cp")``) is the set of ranks whose
+    coordinates differ only on those axes.  Returns every group as a sorted list, the groups sorted
+    by their smallest rank; together they hold every rank exactly once.
+    Raises ``ValueError`` if ``order`` is not an arrangement of the axes of ``sizes``, a size is
+    not a positive integer, or ``axis`` is not one of them.
+    """
+    order = list(order)
+    axes = [axis] if isinstance(axis, str) else list(axis)
+    if sorted(order) != sorted(sizes) or len(set(order)) != len(order):
+        raise ValueError(f"rank_groups: order {order} must list each axis of sizes {sorted(sizes)} exactly once")
+    bad = {k: v for k, v in sizes.items() if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1}
+    if bad:
+        raise ValueError(f"rank_groups: sizes must be positive integers, got {bad}")
+    unknown = [a for a in axes if a not in sizes]
+    if unknown or not axes:
+        raise ValueError(f"rank_groups: axis {axis!r} is not one of {order}")
+    # C order: the LAST array dimension varies fastest, so the array's dims are the order reversed
+    grid = np.arange(int(np.prod([sizes[a] for a in order]))).reshape([sizes[a] for a in reversed(order)])
+    dims = [len(order) - 1 - order.index(a) for a in axes]
+    moved = np.moveaxis(grid, dims, list(range(grid.ndim - len(dims), grid.ndim)))
+    n = int(np.prod([sizes[a] for a in axes]))
+    return sorted(sorted(int(r) for r in g) for g in moved.reshape(-1, n))
 
 
 class RankGrid:

@@ -228,3 +228,69 @@ def test_dense_grid_equals_pytorch_device_mesh_pp_dp_cp_tp(world4, sizes):
     for r, groups in enumerate(res.values):
         for axis, ranks in groups.items():
             assert ranks == grid.ranks(axis, r), (sizes, axis, r)
+
+
+# -- exercise 5c.1: rank_groups for any order -----------------------------------------------------
+
+def test_rank_groups_matches_the_grid_for_megatrons_order_and_partitions_for_any_order():
+    from itertools import permutations
+
+    from reference.mesh import rank_groups
+    sizes = dict(tp=2, cp=3, dp=2, pp=2)
+    grid = RankGrid(24, **sizes)
+    for axis in ("tp", "cp", "dp", "pp"):
+        assert rank_groups(sizes, ("tp", "cp", "dp", "pp"), axis) == grid.all_groups(axis)
+    assert rank_groups(sizes, ("tp", "cp", "dp", "pp"), ("dp", "cp")) == grid.all_groups("dp_cp")
+    # picotron's view(dp, pp, cp, tp), written independently
+    assert rank_groups(dict(tp=2, cp=1, pp=2, dp=2), ("tp", "cp", "pp", "dp"), "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert rank_groups(dict(tp=2, cp=1, pp=2, dp=2), ("tp", "cp", "pp", "dp"), "pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    for order in permutations(sizes):
+        for axis in sizes:
+            groups = rank_groups(sizes, order, axis)
+            assert sorted(r for g in groups for r in g) == list(range(24))
+            assert all(len(g) == sizes[axis] for g in groups)
+            step = 1
+            for a in order[:order.index(axis)]:
+                step *= sizes[a]
+            assert all(b - a == step for g in groups for a, b in zip(g, g[1:]))
+
+
+@pytest.mark.parametrize("order,axis", [(("tp", "dp"), "tp"), (("tp", "tp", "dp", "pp"), "tp"),
+                                        (("tp", "cp", "dp", "pp"), "ep")])
+def test_rank_groups_refuses_an_order_or_axis_that_does_not_fit(order, axis):
+    from reference.mesh import rank_groups
+    with pytest.raises(ValueError):
+        rank_groups(dict(tp=2, cp=1, dp=2, pp=1), order, axis)
+
+
+MESH_MUTANT = '''
+import numpy as np
+
+def rank_groups(sizes, order, axis):   # MISTAKE: the order read slowest-varying first
+    order = list(order)
+    if sorted(order) != sorted(sizes):
+        raise ValueError("bad order")
+    axes = [axis] if isinstance(axis, str) else list(axis)
+    grid = np.arange(int(np.prod([sizes[a] for a in order]))).reshape([sizes[a] for a in order])
+    dims = [order.index(a) for a in axes]
+    moved = np.moveaxis(grid, dims, list(range(grid.ndim - len(dims), grid.ndim)))
+    return sorted(sorted(int(r) for r in g) for g in moved.reshape(-1, int(np.prod([sizes[a] for a in axes]))))
+'''
+
+
+def test_grader_names_the_order_read_the_wrong_way_round(tmp_path, monkeypatch):
+    import sys
+
+    from exercises.grading import core
+    pkg = tmp_path / "mesh_mutant"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mesh.py").write_text(MESH_MUTANT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        (res,) = core.grade("mesh_mutant", ["5c.1"], include_hidden=False)
+    finally:
+        sys.modules.pop("mesh_mutant", None)
+    failed = [c.message for c in res.checks if not c.passed]
+    assert any("FASTEST-varying" in m and "across nodes" in m for m in failed), failed
+    assert res.score == 0                         # every value is wrong, so the error check does not count either

@@ -29,6 +29,15 @@ def call(module: str, name: str, args: Sequence[Any] = (), kwargs: dict | None =
     return function(module, name)(*args, **(kwargs or {}))
 
 
+def raises(module: str, name: str, args: Sequence[Any] = (), kwargs: dict | None = None) -> str | None:
+    """The name of the exception ``module.name(*args, **kwargs)`` raises, or None if it returns."""
+    try:
+        function(module, name)(*args, **(kwargs or {}))
+    except Exception as e:
+        return type(e).__name__
+    return None
+
+
 def call_per_rank(module: str, name: str, per_rank_args: Sequence[Sequence[Any]], kwargs: dict | None = None) -> Any:
     """On each rank r: ``module.name(*per_rank_args[r], **kwargs)``."""
     import torch.distributed as dist

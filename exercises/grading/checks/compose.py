@@ -1,0 +1,106 @@
+"""Checks for lecture 5c (composition): the rank groups of a grid (5c.1).
+
+Ground truth comes from the reference (``reference.mesh.rank_groups`` through ``ctx.oracle``, and
+:class:`reference.mesh.RankGrid` for Megatron's order).  Most cases use orders and sizes the
+course's ``RankGrid`` does not offer, so the arithmetic itself is what earns the points.
+"""
+from __future__ import annotations
+
+import random
+
+from ..core import CheckFailed, exercise, salted_seed
+
+H = "exercises.grading.harness"
+REF = "reference.mesh"
+
+GROUPS = exercise("5c.1", "The rank groups of a grid", "mesh", ["rank_groups"])
+
+MEGATRON = ("tp", "cp", "dp", "pp")
+PICOTRON = ("tp", "cp", "pp", "dp")     # torch.arange(world).view(dp, pp, cp, tp)
+
+
+def _explain(got, want, sizes, order, axis) -> str | None:
+    """Name the likely mistake: the order read slowest-first, or groups that are not a partition."""
+    if not isinstance(got, list) or not all(isinstance(g, list) for g in got):
+        return f"rank_groups must return a list of lists of ranks, got {type(got).__name__}."
+    flat = [r for g in got for r in g]
+    n = 1
+    for a in order:
+        n *= sizes[a]
+    if sorted(flat) != list(range(n)):
+        return (f"the groups must hold every rank 0..{n - 1} exactly once (they partition the world); yours hold "
+                f"{len(flat)} entries, {len(set(flat))} distinct.")
+    rev = tuple(reversed(order))
+    from reference.mesh import rank_groups as truth
+    if [sorted(g) for g in sorted(got)] == truth(sizes, rev, axis):
+        return (f"these are the groups for the order read the other way round ({'-'.join(rev)}): order lists the "
+                f"FASTEST-varying axis first, so {order[0]} ranks are neighbours (rank r and r+1 differ in "
+                f"{order[0]}), and put on one node — reversing it puts the tensor groups across nodes.")
+    if sorted(sorted(g) for g in got) == want and got != want:
+        return "the right groups, but not in the promised order: sort each group, and the groups by smallest rank."
+    return None
+
+
+def _case(ctx, sizes: dict, order, axis) -> None:
+    got = ctx.local(f"{H}:call", "rank_groups", (dict(sizes), tuple(order), axis))
+    want = ctx.oracle(f"{REF}:rank_groups", dict(sizes), tuple(order), axis)
+    if got != want:
+        words = f"sizes {sizes}, order {'-'.join(order)}, axis {axis!r}"
+        why = _explain(got, want, sizes, order, axis)
+        shown = got if isinstance(got, list) and len(got) <= 8 else f"{str(got)[:160]}…"
+        raise CheckFailed(f"[{words}] got {shown}; expected {want[:8]}{'…' if len(want) > 8 else ''}."
+                          + (f"\n{why}" if why else ""))
+
+
+@GROUPS.check("Megatron's order tp-cp-dp-pp, 16 ranks (2×2×2×2): every axis and dp×cp", points=2)
+def _(ctx):
+    sizes = dict(tp=2, cp=2, dp=2, pp=2)
+    for axis in ("tp", "cp", "dp", "pp", ("dp", "cp")):
+        _case(ctx, sizes, MEGATRON, axis)
+
+
+@GROUPS.check("picotron's order (data outermost), 24 ranks: tp=2, cp=1, pp=3, dp=4", points=2)
+def _(ctx):
+    sizes = dict(tp=2, cp=1, pp=3, dp=4)
+    for axis in ("tp", "pp", "dp", "cp"):
+        _case(ctx, sizes, PICOTRON, axis)
+
+
+@GROUPS.check("random orders and odd sizes (3, 5, 1, …) up to 60 ranks, single axes and pairs", points=2)
+def _(ctx):
+    rng = random.Random(salted_seed(51))
+    for _ in range(6):
+        axes = ["tp", "cp", "dp", "pp"]
+        sizes = {a: rng.choice([1, 2, 3, 5]) for a in axes}
+        order = axes[:]
+        rng.shuffle(order)
+        axis = rng.choice(axes) if rng.random() < 0.6 else tuple(rng.sample(axes, 2))
+        _case(ctx, sizes, order, axis)
+
+
+@GROUPS.check("other axis names: the expert grid tp-ep-edp-pp on 8 ranks")
+def _(ctx):
+    sizes = dict(tp=1, ep=4, edp=2, pp=1)
+    for axis in ("ep", "edp"):
+        _case(ctx, sizes, ("tp", "ep", "edp", "pp"), axis)
+
+
+@GROUPS.check("an order that is not an arrangement of the axes raises ValueError", requires_value=True)
+def _(ctx):
+    for order in (("tp", "dp"), ("tp", "tp", "dp", "pp")):
+        err = ctx.local(f"{H}:raises", "rank_groups", (dict(tp=2, cp=1, dp=2, pp=1), order, "tp"))
+        if err != "ValueError":
+            raise CheckFailed(f"rank_groups(sizes with tp, cp, dp, pp, order={order}) should raise ValueError, "
+                              f"{'returned normally' if err is None else 'raised ' + err}.")
+
+
+HINTS = {
+    "5c.1": [
+        "Write each rank as digits in the mixed radix of the sizes, the first axis of order being the last digit "
+        "(it changes from one rank to the next). Two ranks are in the same group when all their OTHER digits agree.",
+        "numpy does the bookkeeping: np.arange(N).reshape([sizes[a] for a in reversed(order)]) puts order[0] on "
+        "the LAST dimension (C order varies it fastest). The dimension of axis a is len(order) - 1 - order.index(a).",
+        "Move the group's dimensions to the end (np.moveaxis), reshape to (-1, group size): each row is one group. "
+        "Sort each row, then the rows. Check first that sorted(order) == sorted(sizes), else raise ValueError.",
+    ],
+}

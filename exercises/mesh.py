@@ -1,0 +1,30 @@
+"""Lecture 5c exercises — the rank grid.  Reference: ``reference/mesh.py``.
+
+    5c.1  rank_groups     every group of an axis, for any order of the axes
+
+Check your work with ``check("5c.1")`` in the notebook or ``python -m exercises.grade 5c.1``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np  # noqa: F401  (arange/reshape/moveaxis help; plain loops work too)
+
+__all__ = ["rank_groups"]
+
+
+def rank_groups(sizes: dict[str, int], order: Sequence[str], axis: str | Sequence[str]) -> list[list[int]]:
+    """Every group of ``axis`` on a grid of ``sizes`` laid out in ``order`` (fastest-varying first).
+
+    sizes: e.g. ``{"tp": 2, "cp": 1, "dp": 2, "pp": 2}``; order: the same axes, fastest-varying
+    first (Megatron: ``("tp", "cp", "dp", "pp")``); a rank's coordinates are the digits of its
+    number in that mixed radix: ``rank = c[o0] + s[o0]·(c[o1] + s[o1]·(c[o2] + …))``.
+    axis: one axis, or several (``("dp", "cp")``): a group is the ranks whose coordinates differ
+    only there.  Returns every group as a sorted list of ranks, groups sorted by smallest rank.
+    Raises ValueError if ``order`` is not an arrangement of the axes of ``sizes``, a size is not a
+    positive integer, or ``axis`` is not one of them.
+    """
+    raise NotImplementedError(
+        'Exercise 5c.1 (rank_groups): Write each rank as digits in the mixed radix of the sizes, the first '
+        'axis of order being the last digit (it changes from one rank to the next). Two ranks are in the same '
+        'group when all their OTHER digits agree. More help: hint("5c.1").')
