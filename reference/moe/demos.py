@@ -14,7 +14,7 @@ from .routing import load_balancing_loss, router_z_loss, top_k_gating
 
 
 # ----------------------------------------------------------------------------------------------
-# Oracles for the grader (exercises/grading/checks/moe.py calls these through ctx.oracle)
+# Oracles for the grader (exercises/grading/checks/moe/ calls these through ctx.oracle)
 
 
 def toy_experts(buffer: torch.Tensor, first_expert: int) -> torch.Tensor:

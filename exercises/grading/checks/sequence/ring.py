@@ -1,0 +1,303 @@
+"""Checks for exercise 5a.3 ring_attention_forward: Q stays, K/V travel the ring."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from ...core import CheckFailed, exercise
+from ...feedback import Mismatch, compare
+from .common import ME, RANKS_TIMEOUT, _randn, attention, layout_positions
+
+
+RING = exercise("5a.3", "Ring attention forward", "sequence", ["ring_attention_forward"], comm=("p2p",))
+
+
+# Wrong causal rules a learner's ring may follow, as block masks: (rank r's queries, rank j's keys)
+# → boolean (n, n) over local indices.  ``truth`` is causality on global positions.
+
+
+def block_keep(rule: str, layout: str, S: int, W: int, r: int, j: int) -> torch.Tensor:
+    qp = torch.tensor(layout_positions(S, r, W, layout))
+    kp = torch.tensor(layout_positions(S, j, W, layout))
+    truth = kp[None, :] <= qp[:, None]
+    n = qp.numel()
+    local_causal = torch.ones(n, n, dtype=torch.bool).tril()
+    if rule == "truth":
+        return truth
+    if rule == "no_mask":
+        return torch.ones(n, n, dtype=torch.bool)
+    if rule == "diag_unmasked":
+        return torch.ones(n, n, dtype=torch.bool) if j == r else truth
+    if rule == "diag_skipped":
+        return torch.zeros(n, n, dtype=torch.bool) if j == r else truth
+    if rule == "contiguous_rules":
+        return torch.ones(n, n, dtype=torch.bool) if j < r else local_causal if j == r else torch.zeros(n, n, dtype=torch.bool)
+    if rule == "reversed":
+        return torch.ones(n, n, dtype=torch.bool) if j > r else local_causal if j == r else torch.zeros(n, n, dtype=torch.bool)
+    if rule == "striped_inclusive":
+        return local_causal if layout == "striped" else truth
+    raise ValueError(rule)
+
+
+RULE_WORDS = {
+    "no_mask": "your output is non-causal attention: causal=True was ignored.",
+    "diag_unmasked": ("your output is what you get when each rank's own K/V block (step 0, the diagonal) is "
+                      "not masked: that block needs the causal mask (attention_block(..., causal=True)): "
+                      "local query i sees local keys t ≤ i."),
+    "diag_skipped": ("your output is what you get when each rank's own K/V block (step 0, the diagonal) is "
+                     "skipped: compute it with the causal mask; only blocks entirely in the future are skipped."),
+    "contiguous_rules": ("your output follows the contiguous layout's rule (earlier rank: all keys, same rank: "
+                         "causal, later rank: none) on {layout} shards. The causal diagonal sits elsewhere for "
+                         "this layout: zigzag rank r holds chunks r and 2W−1−r, so a block from rank j < r is "
+                         "seen by both query chunks (keys of chunk j only) and a block from j > r only by the "
+                         "second query chunk (all its keys); striped: a block from j > r is strictly causal."),
+    "reversed": ("your output is what you get when each rank attends to the blocks of LATER ranks: at step s "
+                 "rank r holds the K/V of rank (r − s) mod W (earlier ranks first), and those are the visible "
+                 "ones. Did K/V go the wrong way round the ring, or is j = (r + s) mod W?"),
+    "striped_inclusive": ("with the striped layout a block from a later rank j > r is STRICTLY causal: token "
+                          "a·W + r sees a·W + j only when j ≤ r, so shift the mask by one (q[1:] against "
+                          "k[:-1] with causal=True) — yours includes the diagonal."),
+}
+
+
+def ring_truth(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, W: int,
+               rule: str = "truth") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per rank (out, lse) of global attention under ``rule``'s mask, rows in ``layout`` order."""
+    S = q.shape[-2]
+    pos = [layout_positions(S, r, W, layout) for r in range(W)]
+    keep = torch.zeros(S, S, dtype=torch.bool)
+    for r in range(W):
+        for j in range(W):
+            blk = block_keep(rule, layout, S, W, r, j) if causal else torch.ones(len(pos[r]), len(pos[j]),
+                                                                                  dtype=torch.bool)
+            keep[torch.tensor(pos[r])[:, None], torch.tensor(pos[j])[None, :]] = blk
+    out, lse = attention(q, k, v, keep)
+    return [(out[..., pos[r], :], lse[..., pos[r]]) for r in range(W)]
+
+
+def ring_inputs(B: int, Hh: int, S: int, D: int, seed: int, scale: float = 1.0, dtype=torch.float64):
+    return (_randn((B, Hh, S, D), seed, scale, dtype), _randn((B, Hh, S, D), seed + 1, scale, dtype),
+            _randn((B, Hh, S, D), seed + 2, 1.0, dtype))
+
+
+def shard_inputs(qkv, W: int, layout: str) -> list[tuple[torch.Tensor, ...]]:
+    S = qkv[0].shape[-2]
+    return [tuple(t[..., layout_positions(S, r, W, layout), :].contiguous() for t in qkv) for r in range(W)]
+
+
+class _Counter:
+    """Counts the attention-kernel calls a rank makes (grader-side instrumentation in the rank)."""
+
+    def __init__(self):
+        self.calls: list[list[int]] = []
+        self.depth = 0
+
+    def wrap(self, fn):
+        def counted(q, k, v, *args, **kwargs):
+            if self.depth == 0:
+                self.calls.append([int(q.shape[-2]), int(k.shape[-2]), int(bool(kwargs.get("causal", False)))])
+            self.depth += 1
+            try:
+                return fn(q, k, v, *args, **kwargs)
+            finally:
+                self.depth -= 1
+        return counted
+
+
+def ring_harness(module: str, shards: list[tuple], causal: bool, layout: str) -> dict[str, Any]:
+    """On each rank: the learner's ring_attention_forward on its shard; also the kernel calls it made."""
+    import torch.distributed as dist
+    from reference.sequence import blockwise
+
+    r = dist.get_rank()
+    mod = importlib.import_module(module)
+    q, k, v = shards[r]
+    counter = _Counter()
+    patched = []
+    for owner in {id(mod): mod, id(blockwise): blockwise}.values():
+        for name in ("attention_block", "attention_block_explicit"):
+            if hasattr(owner, name):
+                patched.append((owner, name, getattr(owner, name)))
+                setattr(owner, name, counter.wrap(getattr(owner, name)))
+    try:
+        res = mod.ring_attention_forward(q, k, v, causal=causal, layout=layout)
+    finally:
+        for owner, name, fn in reversed(patched):
+            setattr(owner, name, fn)
+    if not isinstance(res, (tuple, list)) or len(res) != 2:
+        return {"bad_return": type(res).__name__}
+    return {"out": res[0], "lse": res[1], "calls": counter.calls}
+
+
+def _peers(trace: list[dict], op: str, rank: int) -> set[int]:
+    return {e["peer"] for e in trace if e["op"] == op and e["rank"] == rank and e.get("peer") is not None}
+
+
+def ring_direction(m: Mismatch) -> str | None:
+    r, W, got = m.rank, m.world_size, m.extra.get("recv_peers")
+    if got and W and W > 2 and got == {(r + 1) % W}:
+        return (f"K/V came from rank {(r + 1) % W} = r+1: the ring runs the other way. Send to r+1 and "
+                "receive from r−1 (comm.ring_peers gives (next, prev)), so at step s rank r holds the K/V of "
+                "rank (r − s) mod W.")
+    return None
+
+
+def ring_wrong_rule(m: Mismatch) -> str | None:
+    if not isinstance(m.got, torch.Tensor):
+        return None
+    for rule, alt in m.extra.get("alternatives", {}).items():
+        if alt.shape == m.got.shape and torch.allclose(m.got.double(), alt, atol=1e-7, rtol=1e-6, equal_nan=True) \
+                and not torch.allclose(alt, m.expected.double(), atol=1e-7, rtol=1e-6, equal_nan=True):
+            return RULE_WORDS[rule].format(layout=m.extra.get("layout"))
+    return None
+
+
+def judge_ring(values: list[Any], trace: list[dict], qkv, causal: bool, layout: str, W: int, *,
+               atol: float = 1e-9, rtol: float = 1e-7, words: str = "") -> None:
+    """Compare each rank's (out, lse) with float64 full attention; name a wrong causal rule or direction."""
+    words = words or f"W={W}, {layout}, {'causal' if causal else 'non-causal'}"
+    truth = ring_truth(*qkv, causal, layout, W)
+    rules = [x for x in RULE_WORDS if causal and not (x == "contiguous_rules" and layout == "contiguous")]
+    alts = {rule: ring_truth(*qkv, causal, layout, W, rule) for rule in rules}
+    for r in range(W):
+        res = values[r]
+        if "bad_return" in res:
+            raise CheckFailed(f"ring_attention_forward must return (out, lse); rank {r} returned "
+                              f"{res['bad_return']} [{words}].")
+        for i, what in enumerate(("out", "lse")):
+            extra = {"alternatives": {rule: alt[r][i].double() for rule, alt in alts.items()},
+                     "recv_peers": _peers(trace, "recv", r), "layout": layout}
+            msg = compare(res[what], truth[r][i], what, rank=r, world_size=W, atol=atol, rtol=rtol, case=words,
+                          detectors=[ring_direction, ring_wrong_rule], extra=extra)
+            if msg:
+                if what == "lse" and compare(res["out"], truth[r][0], "out", atol=atol, rtol=rtol) is None:
+                    msg += ("\n    (out is right but lse is not: return the merged lse of all blocks — the "
+                            "backward pass and any further merge need it.)")
+                raise CheckFailed(msg)
+
+
+def _ring_run(ctx, W: int, qkv, causal: bool, layout: str, **kw):
+    res = ctx.ranks(W, f"{ME}:ring_harness", shard_inputs(qkv, W, layout), causal, layout)
+    judge_ring(res.values, res.trace, qkv, causal, layout, W, **kw)
+    return res
+
+
+@RING.check("one rank (W=1) gives full attention, causal and not", timeout=RANKS_TIMEOUT, requires_value=True)
+def _(ctx):
+    for causal in (False, True):
+        _ring_run(ctx, 1, ring_inputs(2, 2, 8, 8, seed=301), causal, "contiguous")
+
+
+@RING.check("W=2 contiguous, non-causal and causal, float64", timeout=RANKS_TIMEOUT)
+def _(ctx):
+    for causal in (False, True):
+        _ring_run(ctx, 2, ring_inputs(2, 3, 12, 8, seed=302), causal, "contiguous")
+
+
+@RING.check("W=3 and W=4 contiguous, causal and not (K/V must arrive from rank r−1)", points=2, timeout=RANKS_TIMEOUT)
+def _(ctx):
+    for W in (3, 4):
+        for causal in (True, False):
+            _ring_run(ctx, W, ring_inputs(1, 2, 4 * W, 8, seed=303 + W), causal, "contiguous")
+
+
+@RING.check("zigzag causal on W=2, 3, 4 (and non-causal on W=3)", points=2, timeout=RANKS_TIMEOUT)
+def _(ctx):
+    for W in (2, 3, 4):
+        _ring_run(ctx, W, ring_inputs(1, 2, 4 * W, 8, seed=310 + W), True, "zigzag")
+    _ring_run(ctx, 3, ring_inputs(1, 2, 12, 8, seed=314), False, "zigzag")
+
+
+@RING.check("striped causal on W=3 and W=4", timeout=RANKS_TIMEOUT)
+def _(ctx):
+    for W in (3, 4):
+        _ring_run(ctx, W, ring_inputs(1, 2, 3 * W, 8, seed=320 + W), True, "striped")
+
+
+@RING.check("large logits stay finite and accurate (×30 in float64; ×4 in float32)", timeout=RANKS_TIMEOUT)
+def _(ctx):
+    _ring_run(ctx, 4, ring_inputs(1, 2, 16, 16, seed=330, scale=30.0), True, "zigzag",
+              words="W=4, zigzag, causal, large logits ×30")
+    _ring_run(ctx, 4, ring_inputs(1, 2, 16, 16, seed=331, scale=4.0, dtype=torch.float32), True, "contiguous",
+              atol=2e-4, rtol=1e-4, words="W=4, contiguous, causal, float32, large logits ×4")
+
+
+def judge_ring_messages(trace: list[dict], W: int, n: int, Hkv: int, D: int, itemsize: int) -> None:
+    want = (W - 1) * 2 * n * Hkv * D * itemsize
+    sent = {r: 0 for r in range(W)}
+    for e in trace:
+        if e["op"] == "send":
+            sent[e["rank"]] += e["nbytes"]
+    if not any(sent.values()):
+        raise CheckFailed("no point-to-point messages were recorded: pass K/V round the ring with sends and "
+                          "receives (comm.exchange or torch.distributed), not a collective such as all_gather.")
+    for r in range(W):
+        nxt, prv = (r + 1) % W, (r - 1) % W
+        to, frm = _peers(trace, "send", r), _peers(trace, "recv", r)
+        if frm == {nxt} and to == {prv}:
+            raise CheckFailed(f"rank {r} received K/V from rank {nxt} (r+1) and sent to rank {prv} (r−1): the ring "
+                              "runs the other way. Send to r+1 and receive from r−1, so that at step s rank r holds "
+                              "the K/V of rank (r − s) mod W (comm.ring_peers gives (next, prev)).")
+        if to != {nxt} or frm != {prv}:
+            raise CheckFailed(f"rank {r} sent to ranks {sorted(to)} and received from {sorted(frm)}; in the ring it "
+                              f"sends only to rank {nxt} and receives only from rank {prv}.")
+        if sent[r] != want:
+            hint = (" — one hop too many: after W−1 hops every rank has seen every block, so the last step "
+                    "sends nothing." if sent[r] == want * W // (W - 1) else "")
+            raise CheckFailed(f"rank {r} sent {sent[r]} bytes; the ring forward sends K and V W−1 times: "
+                              f"(W−1)·2·n·H·D·itemsize = {W - 1}·2·{n}·{Hkv}·{D}·{itemsize} = {want}{hint}.")
+
+
+@RING.check("K/V travel forward: rank r sends (W−1)·2·n·H·D·b bytes to r+1 only, receives from r−1 only"
+            " (trace; feedback only, no points)", points=0, timeout=RANKS_TIMEOUT)
+def _(ctx):
+    W, S, Hh, D = 4, 16, 2, 8
+    res = _ring_run(ctx, W, ring_inputs(1, Hh, S, D, seed=340), False, "contiguous")
+    judge_ring_messages(res.trace, W, S // W, Hh, D, 8)
+
+
+def judge_skipping(values: list[Any], trace: list[dict], W: int, n: int) -> None:
+    """Contiguous causal: rank r computes r+1 blocks (none from later ranks): c²·r + c(c+1)/2 pairs."""
+    for r in range(W):
+        calls = values[r].get("calls") or []
+        if calls:
+            count, how = len(calls), "attention-kernel calls"
+        else:
+            count = sum(1 for e in trace if e["op"] == "compute" and e["rank"] == r)
+            how = "compute events"
+            if count == 0:
+                raise CheckFailed("could not see your block computations: compute each block with "
+                                  "attention_block (or attention_block_explicit) so the grader can count them.")
+        if count > r + 1:
+            raise CheckFailed(f"rank {r} made {count} {how}; with contiguous causal sharding it needs {r + 1} "
+                              f"(the blocks of ranks 0..{r}): the K/V of later ranks are entirely in the "
+                              "future of its queries. Skip fully masked blocks instead of computing and "
+                              f"discarding them — rank {r} should compute {n * n * r + n * (n + 1) // 2} "
+                              f"pairs = c²·r + c(c+1)/2 (c = {n}).")
+
+
+@RING.check("fully masked blocks are skipped, not computed and thrown away (contiguous causal, W=4)"
+            " (trace; feedback only, no points)", points=0, timeout=RANKS_TIMEOUT)
+def _(ctx):
+    W, S = 4, 16
+    res = _ring_run(ctx, W, ring_inputs(1, 2, S, 8, seed=350), True, "contiguous")
+    judge_skipping(res.values, res.trace, W, S // W)
+
+
+# Hints in tiers: the stub's error shows tier 1; ``hint("5a.3")`` shows the next one each call.
+HINTS = {
+    "5a.3": [
+        "At step s rank r holds the K/V block of rank (r - s) mod W; K/V move one rank forward per step, queries "
+        "never move. Post the next hop before computing the current block, and merge each block into a running "
+        "(out, lse) with your 5a.1.",
+        "comm.ring_peers(group) gives (next, previous). Each step: comm.exchange([(k_cur, nxt), (v_cur, nxt)], "
+        "[(k_buf, prv), (v_buf, prv)], group=group, step=s, what='kv') (not on the last step), compute, then "
+        ".wait() and swap buffers. Never a blocking send then recv: on a ring every rank would wait for the next.",
+        "Causal: a block is full, causal (diagonal included), strictly causal or skipped, depending on the global "
+        "positions of your queries and of rank j's keys (layouts.positions). Contiguous: j < r full, j == r causal, "
+        "j > r skip; zigzag and striped: sketch the score matrix. Skip fully masked blocks without a kernel call; "
+        "accumulate in float32 or wider and return (out in q's dtype, lse).",
+    ],
+}
