@@ -1,0 +1,194 @@
+"""Worker functions for notebooks and tests: one pipeline training step on every rank, and the truth.
+
+Every rank builds the same small model from a seed (:func:`make_model`), cuts it with
+:func:`.stages.split_model`, keeps its own chunk(s) and runs one step; it returns the loss (last
+stage) and the gradients of its parameters by their names in the full model, so the caller can
+put the pipeline's gradients side by side with one process's (:func:`single_process_truth`)::
+
+    from reference.launch import run_world
+    from reference.pipeline import demos
+    res = run_world(demos.pipeline_worker, 4, schedule="1f1b", num_microbatches=8)
+    res.values[-1]["loss"], res.trace.filter(op="compute")
+
+:func:`torch_pipeline_worker` runs the same step with ``torch.distributed.pipelining`` (the peer),
+recording the order in which it ran its stages' forwards and backwards.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm, trace
+from .executor import run_pipeline
+from .schedules import Action
+from .stages import chunks_of_rank, parameter_names, split_model
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def make_model(layers: int = 4, width: int = 8, *, out_features: int = 4, seed: int = 0,
+               dtype: str | torch.dtype = "float64") -> nn.Sequential:
+    """``layers`` blocks: (layers − 1) × [Linear(width, width), Tanh], then Linear(width, out_features).
+    Deterministic from ``seed`` (the same on every rank)."""
+    dtype = DTYPES.get(dtype, dtype)
+    g = torch.Generator().manual_seed(seed)
+    blocks = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers - 1)]
+    model = nn.Sequential(*blocks, nn.Linear(width, out_features)).to(dtype)
+    with torch.no_grad():
+        for t in model.parameters():
+            t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float64) / width ** 0.5)
+    return model
+
+
+def make_batch(batch: int, width: int = 8, *, out_features: int = 4, seed: int = 0,
+               dtype: str | torch.dtype = "float64") -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs (batch, width) and targets (batch, out_features), N(0, 1) from ``seed + 1``."""
+    dtype = DTYPES.get(dtype, dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch, width, generator=g, dtype=torch.float64)
+    y = torch.randn(batch, out_features, generator=g, dtype=torch.float64)
+    return x.to(dtype), y.to(dtype)
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss every demo uses: mean squared error over a micro-batch."""
+    return F.mse_loss(output, target)
+
+
+_GROUPS: dict[int, object] = {}
+
+
+def first_ranks_group(size: int):
+    """The group of global ranks 0 … size−1 (None for the whole world), so one kept-alive world
+    serves pipelines of 1 … W stages.  Created once per size, by every rank in the same order
+    (every rank runs the same workers)."""
+    if size == comm.world_size():
+        return None
+    if not 1 <= size <= comm.world_size():
+        raise ValueError(f"stages={size} needs 1 … {comm.world_size()} ranks")
+    if size not in _GROUPS:
+        _GROUPS[size] = comm.new_group(list(range(size)))
+    return _GROUPS[size]
+
+
+def _setup(num_stages, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype):
+    layers = layers if layers is not None else 2 * num_stages * virtual_stages
+    batch = batch if batch is not None else 2 * num_microbatches
+    model = make_model(layers, width, seed=seed, dtype=dtype)
+    pieces = split_model(model, num_stages, virtual_stages=virtual_stages, sizes=sizes)
+    return model, pieces, make_batch(batch, width, seed=seed, dtype=dtype)
+
+
+def pipeline_worker(schedule: str = "1f1b", num_microbatches: int = 4, *, virtual_stages: int = 1,
+                    stages: int | None = None, layers: int | None = None, width: int = 8, batch: int | None = None,
+                    sizes=None, seed: int = 0, dtype: str = "float64", actions=None, check: bool = True) -> dict | None:
+    """One step of :func:`.executor.run_pipeline` on this rank (rank = stage).
+
+    ``stages``: pipeline on the first ``stages`` ranks only (default: all); the others return None.
+    Defaults: 2·p·v blocks, batch = 2·m rows.  Returns {"rank", "stages" (this rank's virtual
+    stages), "loss" (float on the last stage, else None), "grads" ({full-model name: .grad} of this
+    rank's parameters)}.  The schedule, stash and bubble are in the world's trace
+    (:func:`.executor.actions_from_trace`, :func:`.executor.peak_stashed_from_trace`).
+    """
+    group = first_ranks_group(stages or comm.world_size())
+    if comm.rank() >= (stages or comm.world_size()):
+        return None
+    p, r = comm.world_size(group), comm.rank(group)
+    model, pieces, (x, y) = _setup(p, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype)
+    mine = chunks_of_rank(pieces, r, p)
+    loss = run_pipeline(mine, schedule, x, y, mse, num_microbatches=num_microbatches,
+                        virtual_stages=virtual_stages, group=group, actions=actions, check=check)
+    return {"rank": r, "stages": [c * p + r for c in range(virtual_stages)],
+            "loss": None if loss is None else float(loss),
+            "grads": {n: t.grad.clone() for n, t in parameter_names(model, mine).items()}}
+
+
+def single_process_truth(num_microbatches: int = 4, *, num_stages: int = 1, virtual_stages: int = 1,
+                         layers: int | None = None, width: int = 8, batch: int | None = None, seed: int = 0,
+                         dtype: str = "float64") -> dict:
+    """The same step in one process: gradient accumulation over the same m micro-batches
+    (loss_i / m, backward each).  Returns {"loss", "grads" {name: grad}, "full_batch_loss",
+    "full_batch_grads"} — the latter from one backward of the mean loss over the whole batch.
+    ``num_stages``/``virtual_stages`` only choose the default model size, as in :func:`pipeline_worker`."""
+    model, _, (x, y) = _setup(num_stages, layers, width, batch, num_microbatches, virtual_stages, None, seed, dtype)
+    loss = 0.0
+    for xi, yi in zip(x.tensor_split(num_microbatches), y.tensor_split(num_microbatches)):
+        li = mse(model(xi), yi) / num_microbatches
+        li.backward()
+        loss += float(li.detach())
+    grads = {n: t.grad.clone() for n, t in model.named_parameters()}
+    model.zero_grad()
+    full = mse(model(x), y)
+    full.backward()
+    return {"loss": loss, "grads": grads, "full_batch_loss": float(full.detach()),
+            "full_batch_grads": {n: t.grad.clone() for n, t in model.named_parameters()}}
+
+
+# ----------------------------------------------------------------------------------------------
+# The peer: torch.distributed.pipelining, same model, same split, same micro-batches
+
+
+def torch_schedule_class(schedule: str):
+    from torch.distributed import pipelining as pp
+    return {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved_1f1b": pp.ScheduleInterleaved1F1B,
+            "zb_h1": pp.ScheduleInterleavedZeroBubble}[schedule]
+
+
+def torch_order_as_actions(pipeline_order: dict, num_stages: int) -> list[list[Action]]:
+    """torch's ``pipeline_order`` (rank → [_Action(stage_index, type, microbatch) | None]) as our
+    actions: compute actions only (F; B or I (input half) → "B"; W), chunk = stage_index // p."""
+    kinds = {"F": "F", "B": "B", "I": "B", "W": "W"}
+    out = []
+    for rank in range(num_stages):
+        acts = [a for a in pipeline_order[rank] if a is not None and a.computation_type.value in kinds]
+        out.append([Action(kinds[a.computation_type.value], a.microbatch_index, a.stage_index // num_stages)
+                    for a in acts])
+    return out
+
+
+def torch_pipeline_worker(schedule: str = "1f1b", num_microbatches: int = 4, *, virtual_stages: int = 1,
+                          stages: int | None = None, layers: int | None = None, width: int = 8,
+                          batch: int | None = None, sizes=None, seed: int = 0, dtype: str = "float64",
+                          scale_grads: bool = True) -> dict | None:
+    """One step of ``torch.distributed.pipelining`` on this rank, everything else as in
+    :func:`pipeline_worker`.  torch applies ``loss_fn`` per micro-batch without dividing by m and,
+    with ``scale_grads=True`` (its default), divides the gradients by m at the end.  Returns
+    {"loss" (mean of its per-micro-batch losses, last stage), "grads", "order" (its pipeline_order
+    as our actions, every stage), "executed" (what this rank ran, in order, as our actions)}."""
+    from torch.distributed.pipelining import PipelineStage
+    group = first_ranks_group(stages or comm.world_size())
+    if comm.rank() >= (stages or comm.world_size()):
+        return None
+    p, r = comm.world_size(group), comm.rank(group)
+    model, pieces, (x, y) = _setup(p, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype)
+    mine = chunks_of_rank(pieces, r, p)
+    executed: list[Action] = []
+    stages = []
+    for c, module in enumerate(mine):
+        st = PipelineStage(module, c * p + r, p * virtual_stages, torch.device("cpu"), group=group)
+        for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
+                           ("backward_weight_one_chunk", "W")):
+            setattr(st, name, _recorded(getattr(st, name), kind, c, executed))
+        stages.append(st)
+    cls = torch_schedule_class(schedule)
+    single = schedule in ("gpipe", "1f1b")
+    sched = cls(stages[0] if single else stages, num_microbatches, loss_fn=mse, scale_grads=scale_grads)
+    losses: list[torch.Tensor] = []
+    with trace.quiet():
+        if r == 0:
+            sched.step(x, target=y if r == p - 1 else None, losses=losses)
+        elif r == p - 1:
+            sched.step(target=y, losses=losses)
+        else:
+            sched.step()
+    return {"rank": r, "loss": float(torch.stack([t.detach() for t in losses]).mean()) if losses else None,
+            "grads": {n: t.grad.clone() for n, t in parameter_names(model, mine).items()},
+            "order": torch_order_as_actions(sched.pipeline_order, p), "executed": executed}
+
+
+def _recorded(method, kind, chunk, log):
+    def run(microbatch, *args, **kwargs):
+        log.append(Action(kind, microbatch, chunk))
+        return method(microbatch, *args, **kwargs)
+    return run

@@ -1,0 +1,139 @@
+"""Lecture 4b's demos: what notebook 04b runs, recorded from the reference for the student release.
+
+Each function below starts (or reuses) worlds, runs the reference pipeline on real ranks and
+returns plain data — traces, errors against one process, measured bubbles — so the notebook cells
+stay short and the release can replay them before exercises 4.4–4.6 are done
+(:mod:`reference.recorded`).  The grader's ground truth for 4.6 is here too (:func:`slot_bubble`).
+"""
+from __future__ import annotations
+
+import time
+
+from ..recorded import live_world, recordable
+from . import demos
+from .executor import actions_from_trace, peak_stashed_from_trace, wall_clock_bubble
+from .schedules import measured_bubble, render, schedule, simulate
+
+NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+
+
+def slot_bubble(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """The idle fraction of a schedule measured in slots: its order run by :func:`.simulate` (every
+    F, B, W one slot).  The value exercise 4.6's formula must give."""
+    return measured_bubble(simulate(schedule(name, num_stages, num_microbatches, virtual_stages=virtual_stages)))
+
+
+def possible(name: str, p: int, m: int, v: int = 2) -> bool:
+    """Whether ``schedule(name, p, m)`` exists (1F1B-like orders need m ≥ p; interleaved m % p == 0)."""
+    if name in ("1f1b", "zb_h1"):
+        return m >= p
+    if name == "interleaved_1f1b":
+        return m % p == 0 and p > 1
+    return True
+
+
+def _grad_error(values: list[dict], truth: dict) -> float:
+    got = {n: g for v in values for n, g in v["grads"].items()}
+    return max(float((got[n] - truth["grads"][n]).abs().max()) for n in truth["grads"])
+
+
+@recordable("04b.runs", needs=("4.4", "4.5"), ignore=("worlds",))
+def schedule_runs(sizes: tuple = (2, 4), microbatches: tuple = (1, 4, 8), worlds: dict | None = None) -> dict:
+    """Every schedule that exists for p in ``sizes`` and m in ``microbatches`` (interleaved: v = 2),
+    one float64 step each: {(name, p, m): {"trace", "grad_error" (max |grad − one process|),
+    "loss_error", "peak" (stashed micro-batches per rank, from the trace), "slot_bubble" (rebuilt
+    from the order the trace shows), "wall_bubble", "messages" (sends per rank)}}."""
+    runs = {}
+    for p in sizes:
+        with live_world(p, worlds) as w:
+            for name in NAMES:
+                v = 2 if name == "interleaved_1f1b" else 1
+                for m in microbatches:
+                    if not possible(name, p, m):
+                        continue
+                    res = w.run(demos.pipeline_worker, name, m, virtual_stages=v)
+                    truth = demos.single_process_truth(m, num_stages=p, virtual_stages=v)
+                    loss = next(x["loss"] for x in res.values if x["loss"] is not None)
+                    runs[(name, p, m)] = {
+                        "trace": res.trace, "virtual_stages": v,
+                        "grad_error": _grad_error(res.values, truth), "loss_error": abs(loss - truth["loss"]),
+                        "peak": [peak_stashed_from_trace(res.trace).get(r, 0) for r in range(p)],
+                        "slot_bubble": measured_bubble(simulate(actions_from_trace(res.trace, p))),
+                        "wall_bubble": wall_clock_bubble(res.trace),
+                        "messages": [len(res.trace.filter(op="send", rank=r)) for r in range(p)]}
+    return runs
+
+
+@recordable("04b.orders", needs=("4.4",))
+def orders(cases: tuple = (("gpipe", 4, 1), ("gpipe", 4, 8), ("1f1b", 4, 8), ("zb_h1", 4, 8))) -> dict:
+    """Each (name, p, m) order drawn in slots by :func:`.schedules.render` ("." = idle)."""
+    return {c: render(schedule(*c), width=3) for c in cases}
+
+
+@recordable("04b.formulas", needs=("4.6",))
+def formulas(sizes: tuple = (2, 3, 4, 8, 16), max_microbatches: int = 128) -> dict:
+    """``bubble_fraction`` for every schedule that exists with p in ``sizes``, 1 ≤ m ≤ ``max_microbatches``
+    (interleaved: v = 2 and 4): {(name, p, m, v): idle fraction}."""
+    from .schedules import bubble_fraction
+    out = {}
+    for p in sizes:
+        for m in range(1, max_microbatches + 1):
+            for name in NAMES:
+                for v in ((2, 4) if name == "interleaved_1f1b" else (1,)):
+                    if possible(name, p, m):
+                        out[(name, p, m, v)] = bubble_fraction(name, p, m, virtual_stages=v)
+    return out
+
+
+@recordable("04b.timed", needs=("4.4", "4.5"), ignore=("worlds",))
+def timed_runs(p: int = 4, m: int = 8, width: int = 192, layers: int = 8, repeats: int = 3,
+               worlds: dict | None = None) -> dict:
+    """GPipe and 1F1B with enough work per block to see time: the fastest of ``repeats`` steps
+    each: {name: {"trace", "seconds", "wall_bubble"}}."""
+    out = {}
+    with live_world(p, worlds) as w:
+        for name in ("gpipe", "1f1b"):
+            best = None
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                res = w.run(demos.pipeline_worker, name, m, layers=layers, width=width, batch=16 * m,
+                            dtype="float32")
+                took = time.perf_counter() - t0
+                if best is None or took < best[0]:
+                    best = (took, res.trace)
+            out[name] = {"trace": best[1], "seconds": best[0], "wall_bubble": wall_clock_bubble(best[1])}
+    return out
+
+
+@recordable("04b.vs_torch", needs=("4.4", "4.5"), ignore=("worlds",))
+def against_torch(p: int = 2, m: int = 4, worlds: dict | None = None) -> dict:
+    """Ours and ``torch.distributed.pipelining`` on the same model, split and micro-batches:
+    {name: {"loss_diff", "grad_diff", "same_order"}} for GPipe, 1F1B and interleaved 1F1B."""
+    out = {}
+    with live_world(p, worlds) as w:
+        for name in ("gpipe", "1f1b", "interleaved_1f1b"):
+            v = 2 if name == "interleaved_1f1b" else 1
+            ours = w.run(demos.pipeline_worker, name, m, virtual_stages=v)
+            peer = w.run(demos.torch_pipeline_worker, name, m, virtual_stages=v)
+            lo = next(x["loss"] for x in ours.values if x["loss"] is not None)
+            lt = next(x["loss"] for x in peer.values if x["loss"] is not None)
+            g_ours = {n: g for x in ours.values for n, g in x["grads"].items()}
+            g_peer = {n: g for x in peer.values for n, g in x["grads"].items()}
+            out[name] = {"loss_diff": abs(lo - lt),
+                         "grad_diff": max(float((g_ours[n] - g_peer[n]).abs().max()) for n in g_ours),
+                         "same_order": [x["executed"] for x in peer.values] == actions_from_trace(ours.trace, p)}
+    return out
+
+
+def microbatch_grads(num_microbatches: int = 4, *, num_stages: int = 1, virtual_stages: int = 1,
+                     layers: int | None = None, width: int = 8, seed: int = 0) -> list[dict]:
+    """Each micro-batch's share of the gradient (its loss / m, alone), by parameter name: what a
+    pipeline that forgets to accumulate would leave (the grader's feedback compares with these)."""
+    model, _, (x, y) = demos._setup(num_stages, layers, width, None, num_microbatches, virtual_stages, None, seed,
+                                    "float64")
+    out = []
+    for xi, yi in zip(x.tensor_split(num_microbatches), y.tensor_split(num_microbatches)):
+        model.zero_grad()
+        (demos.mse(model(xi), yi) / num_microbatches).backward()
+        out.append({n: t.grad.clone() for n, t in model.named_parameters()})
+    return out

@@ -1,0 +1,83 @@
+"""Lecture 4b against PyTorch's own pipeline: ``torch.distributed.pipelining`` on gloo.
+
+Same float64 model, split the same way, same micro-batches, loss_fn = mean squared error per
+micro-batch.  Scaling: torch calls ``loss_fn`` per micro-batch and backprops it *undivided*, then
+(``scale_grads=True``, its default) divides every gradient by m at the end; we divide each
+micro-batch's loss by m before its backward.  Both leave the full-batch mean gradient — and with
+``scale_grads=False`` torch's gradients are exactly m× ours, asserted below.
+
+Orders: torch exposes ``pipeline_order`` (rank → [_Action(stage_index, type, microbatch) | None])
+for all of these schedules in 2.13; we also record the order in which its stages actually ran
+``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk``, and both must
+equal our schedule.  ZB-H1 is compared with ``ScheduleInterleavedZeroBubble`` given one stage per
+rank: its W placement (rank r defers W by r backwards) is then exactly ZB-H1's.
+"""
+from __future__ import annotations
+
+import pytest
+
+from reference.pipeline import Action, demos, schedule
+
+TOL = 1e-12
+
+
+def run(world, p, fn, *args, **kwargs):
+    res = world(4).run(fn, *args, stages=p, **kwargs)
+    assert all(v is None for v in res.values[p:])
+    return res.values[:p]
+
+
+def loss_and_grads(values):
+    loss = [v["loss"] for v in values if v["loss"] is not None]
+    assert len(loss) == 1
+    grads = {n: g for v in values for n, g in v["grads"].items()}
+    return loss[0], grads
+
+
+CASES = [(2, "gpipe", 3, 1, None), (4, "gpipe", 5, 1, None), (3, "1f1b", 4, 1, None), (4, "1f1b", 6, 1, [2, 1, 3, 1]),
+         (2, "interleaved_1f1b", 4, 2, None), (4, "interleaved_1f1b", 4, 2, None), (3, "interleaved_1f1b", 6, 2, None),
+         (3, "zb_h1", 3, 1, None), (4, "zb_h1", 5, 1, None)]
+
+
+@pytest.mark.parametrize("p,name,m,v,sizes", CASES, ids=[f"{c[1]}-p{c[0]}-m{c[2]}" for c in CASES])
+def test_same_loss_gradients_and_order_as_torch_pipelining(world, p, name, m, v, sizes):
+    model = dict(virtual_stages=v, sizes=sizes, layers=sum(sizes) if sizes else None)
+    theirs = run(world, p, demos.torch_pipeline_worker, name, m, **model)
+    ours = run(world, p, demos.pipeline_worker, name, m, **model)
+    (tl, tg), (ol, og) = loss_and_grads(theirs), loss_and_grads(ours)
+    truth = demos.single_process_truth(m, num_stages=p, virtual_stages=v, layers=model["layers"])
+    assert set(tg) == set(og) == set(truth["grads"])
+    assert abs(tl - ol) < TOL and abs(ol - truth["full_batch_loss"]) < TOL
+    for n in og:
+        assert (tg[n] - og[n]).abs().max().item() < TOL, n
+        assert (og[n] - truth["full_batch_grads"][n]).abs().max().item() < TOL, n
+
+    plan = schedule(name, p, m, virtual_stages=v)
+    assert [t["executed"] for t in theirs] == plan                       # what torch actually ran, per rank
+    order = theirs[0]["order"]
+    if name == "1f1b":
+        # torch 2.13's Schedule1F1B.pipeline_order numbers the last rank's forwards 1 … m (its steady
+        # loop increments the micro-batch before using it when there is no warm-up); it *runs*
+        # 0 … m−1 (checked just above).  Accept that label shift on the last rank only.
+        shifted = [a._replace(microbatch=a.microbatch + 1) if a.kind == "F" else a for a in plan[-1]]
+        assert order[:-1] == plan[:-1] and order[-1] in (plan[-1], shifted)
+    else:
+        assert order == plan
+
+
+def test_torch_without_scale_grads_leaves_m_times_our_gradients(world):
+    p, m = 2, 4
+    theirs = loss_and_grads(run(world, p, demos.torch_pipeline_worker, "1f1b", m, scale_grads=False))[1]
+    ours = loss_and_grads(run(world, p, demos.pipeline_worker, "1f1b", m))[1]
+    for n in ours:
+        assert (theirs[n] - m * ours[n]).abs().max().item() < TOL * m, n
+        assert (theirs[n] - ours[n]).abs().max().item() > 1e-6        # not equal: the relation is real
+
+
+def test_torch_order_conversion():
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType as T
+    order = {0: [_Action(0, T.FORWARD, 0), None, _Action(2, T.FORWARD, 0), _Action(2, T.BACKWARD_INPUT, 0),
+                 _Action(2, T.BACKWARD_WEIGHT, 0), _Action(0, T.FULL_BACKWARD, 0), _Action(0, T.REDUCE_GRAD, None)],
+             1: []}
+    assert demos.torch_order_as_actions(order, 2) == [
+        [Action("F", 0), Action("F", 0, 1), Action("B", 0, 1), Action("W", 0, 1), Action("B", 0)], []]
