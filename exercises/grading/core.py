@@ -81,7 +81,8 @@ DEFAULT_TIMEOUT = float(os.environ.get("GRADER_TIMEOUT", "60"))   # seconds per 
 DEADLINE = float(os.environ.get("GRADER_DEADLINE", "480"))   # seconds for a whole submission (Gradescope: 10 min)
 CHECK_MODULES = ["exercises.grading.checks.collectives", "exercises.grading.checks.data",
                  "exercises.grading.checks.tensor", "exercises.grading.checks.sequence",
-                 "exercises.grading.checks.moe", "exercises.grading.checks.compose"]
+                 "exercises.grading.checks.pipeline", "exercises.grading.checks.moe",
+                 "exercises.grading.checks.compose"]
 HIDDEN_MODULES = ["exercises.grading.hidden"]   # teachers' checks; left out of the student release
 
 

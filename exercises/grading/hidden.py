@@ -103,3 +103,21 @@ if "4.3" in EXERCISES:
     @hidden_check("4.3", "4 ranks, float64 logits ×30 with a +100 token, targets at every shard edge")
     def _(ctx):
         _tensor._xent(ctx, 4, ctx.seed(403), 30.0)
+
+
+if "4.4" in EXERCISES:
+    from .checks import pipeline as _pipeline
+
+    @hidden_check("4.4", "6 stages, 11 micro-batches: every stage's order")
+    def _(ctx):
+        _pipeline._order_case(ctx, 6, 11)
+
+    @hidden_check("4.5", "3 stages, uneven split (2, 1, 3 blocks), GPipe, m = 3, another seed",
+                  timeout=_pipeline.RANKS_TIMEOUT)
+    def _(ctx):
+        _pipeline._step_case(ctx, 3, "gpipe", 3, {"layers": 6, "sizes": [2, 1, 3], "seed": 7}, "GPipe, p=3, uneven")
+
+    @hidden_check("4.6", "8 stages and 3 micro-batches (GPipe); 4 stages × 3 chunks, m = 12")
+    def _(ctx):
+        _pipeline._bubble_case(ctx, "gpipe", 8, 3)
+        _pipeline._bubble_case(ctx, "interleaved_1f1b", 4, 12, 3)

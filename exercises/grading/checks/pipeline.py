@@ -1,0 +1,302 @@
+"""Checks for lecture 4b (the pipeline axis): the 1F1B order (4.4), one stage's forward and
+backward step (4.5), the bubble formula (4.6).
+
+Ground truth comes from the reference through ``ctx.oracle``: the orders of
+``reference.pipeline.schedules``, one process's gradients (gradient accumulation over the same
+micro-batches, ``reference.pipeline.demos.single_process_truth``), and the bubble measured on each
+schedule's slot timeline (``reference.pipeline.lecture.slot_bubble``).  Multi-rank checks run the
+reference executor, whose ``forward_step``/``backward_step`` (or whose 1F1B order) are the
+learner's while it is graded; a bad order deadlocks for real and the runtime names the ranks.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ..core import CheckFailed, exercise, salted_seed
+from ..feedback import Mismatch
+
+H = "exercises.grading.harness"
+ME = "exercises.grading.checks.pipeline"
+SCHED = "reference.pipeline.schedules"
+DEMOS = "reference.pipeline.demos"
+RANKS_TIMEOUT = 10.0
+
+ORDER = exercise("4.4", "The 1F1B order of one stage", "pipeline", ["one_f_one_b"])
+STEP = exercise("4.5", "One stage, one micro-batch: forward_step and backward_step", "pipeline",
+                ["forward_step", "backward_step"])
+BUBBLE = exercise("4.6", "The bubble fraction, by formula", "pipeline", ["bubble_fraction"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Harnesses (run in the runner or on its ranks)
+
+
+def pipeline_step(module: str, schedule: str, num_microbatches: int, kwargs: dict) -> dict:
+    """On each rank: one step of the reference executor (which calls the learner's functions)."""
+    from reference.pipeline import demos
+    out = demos.pipeline_worker(schedule, num_microbatches, **kwargs)
+    return {"loss": out["loss"], "grads": out["grads"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# 4.4 — the 1F1B order
+
+
+def _as_actions(got) -> list[tuple] | None:
+    try:
+        return [(str(a[0]), int(a[1])) for a in got]
+    except Exception:
+        return None
+
+
+def _warmup(order: list[tuple]) -> int:
+    n = 0
+    for kind, _ in order:
+        if kind != "F":
+            break
+        n += 1
+    return n
+
+
+def _order_case(ctx, p: int, m: int) -> None:
+    from reference.pipeline.schedules import Action, peak_stash, simulate
+    got_all = []
+    for s in range(p):
+        got = ctx.local(f"{H}:call", "one_f_one_b", (p, m, s))
+        want = [tuple(a)[:2] for a in ctx.oracle(f"{SCHED}:one_f_one_b", p, m, s)]
+        mine = _as_actions(got) if isinstance(got, (list, tuple)) else None
+        if mine is None:
+            raise CheckFailed(f"one_f_one_b({p}, {m}, stage={s}) must return a list of Action(kind, microbatch); "
+                              f"got {type(got).__name__}.")
+        got_all.append(mine)
+        if mine == want:
+            continue
+        words = f"p={p}, m={m}, stage {s}"
+        hint = ""
+        w_got, w_want = _warmup(mine), _warmup(want)
+        if sorted(mine) != sorted(want):
+            hint = " Each micro-batch needs exactly one F and one B on every stage."
+        elif w_got != w_want:
+            hint = (f" It runs {w_got} forward{'s' if w_got != 1 else ''} before its first backward; 1F1B warms up "
+                    f"with min(m, p − s − 1) = {min(m, p - s - 1)} forwards and then starts its first F-B pair" + (": more keeps more activations stashed (memory grows towards GPipe's m)."
+                                        if w_got > w_want else ": fewer makes it wait for a gradient that cannot "
+                                        "come back yet (the later stages have not seen enough micro-batches)."))
+        raise CheckFailed(f"[{words}] got {_short(mine)}; expected {_short(want)}.{hint}")
+    # the whole order: runs without deadlock, and stage s holds at most p − s micro-batches
+    plan = [[Action(k, i) for k, i in stage] for stage in got_all]
+    try:
+        simulate(plan)
+    except ValueError as e:
+        raise CheckFailed(f"p={p}, m={m}: {e}") from None
+    peaks = peak_stash(plan)
+    bad = [s for s in range(p) if peaks[s] > p - s]
+    if bad:
+        raise CheckFailed(f"p={p}, m={m}: stage {bad[0]} holds {peaks[bad[0]]} micro-batches at once; 1F1B keeps at "
+                          f"most p − s = {p - bad[0]}.")
+
+
+def _short(order: list[tuple], n: int = 12) -> str:
+    text = " ".join(f"{k}{i}" for k, i in order[:n])
+    return text + (" …" if len(order) > n else "")
+
+
+@ORDER.check("p = 4, m = 8: every stage's order (warm-up, steady one-forward-one-backward, cool-down)", points=2)
+def _(ctx):
+    _order_case(ctx, 4, 8)
+
+
+@ORDER.check("m = p (no steady state left over) and a single stage (no warm-up at all)")
+def _(ctx):
+    _order_case(ctx, 3, 3)
+    _order_case(ctx, 1, 4)
+
+
+@ORDER.check("odd sizes: 3, 5 and 7 stages with more micro-batches than stages", points=2)
+def _(ctx):
+    rng = random.Random(salted_seed(44))
+    for p in (3, 5, 7):
+        _order_case(ctx, p, p + rng.randrange(1, 6))
+
+
+@ORDER.check("your order on 3 real ranks: no deadlock, every gradient equals one process's (m = 5)",
+             timeout=RANKS_TIMEOUT)
+def _(ctx):
+    _step_case(ctx, 3, "1f1b", 5, {}, "1F1B, p=3, m=5")
+
+
+# ----------------------------------------------------------------------------------------------
+# 4.5 — forward_step / backward_step
+
+
+def _m_times(m: int):
+    def detect(mm: Mismatch) -> str | None:
+        if not isinstance(mm.got, torch.Tensor) or mm.got.shape != mm.expected.shape:
+            return None
+        e = mm.expected.double()
+        if torch.allclose(mm.got.double(), m * e, rtol=1e-9, atol=1e-12):
+            return (f"exactly m = {m} times the true value: each micro-batch's loss must be divided by m "
+                    "(num_microbatches) so that the sum over micro-batches is the mean over the whole batch.")
+        if torch.allclose(mm.got.double(), e / m, rtol=1e-9, atol=1e-12):
+            return f"exactly 1/m = 1/{m} of the true value: the loss is divided by m twice."
+        return None
+    return detect
+
+
+def _step_case(ctx, p: int, schedule: str, m: int, kw: dict, words: str) -> None:
+    res = ctx.ranks(p, f"{ME}:pipeline_step", schedule, m, kw, timeout=RANKS_TIMEOUT)
+    v = kw.get("virtual_stages", 1)
+    model_kw = {k: kw[k] for k in ("layers", "width", "seed") if k in kw}
+    truth = ctx.oracle(f"{DEMOS}:single_process_truth", m, num_stages=p, virtual_stages=v, **model_kw)
+    per_mb = ctx.oracle("reference.pipeline.lecture:microbatch_grads", m, num_stages=p, virtual_stages=v, **model_kw)
+    losses = [x["loss"] for x in res.values if isinstance(x, dict) and x.get("loss") is not None]
+    ctx.expect(len(losses) == 1, f"[{words}] exactly one rank (the last stage's) should return the loss; "
+               f"{len(losses)} did.")
+    ctx.compare(torch.tensor(float(losses[0]), dtype=torch.float64), torch.tensor(truth["loss"], dtype=torch.float64),
+                "loss", atol=1e-12, rtol=1e-12, case=words, detectors=[_m_times(m)])
+    got = {}
+    for x in res.values:
+        got.update(x["grads"])
+    for name, want in truth["grads"].items():
+        g = got.get(name)
+        if g is None:
+            raise CheckFailed(f"[{words}] parameter {name} has no gradient after the step: backward_step must "
+                              "backpropagate every micro-batch (torch.autograd.backward(y, dy)).")
+        ctx.compare(g, want, f"gradient of {name}", atol=1e-12, rtol=1e-10, case=words,
+                    detectors=[_m_times(m), _one_microbatch_only(m)],
+                    extra={"per_microbatch": [mb[name] for mb in per_mb]})
+
+
+def _one_microbatch_only(m: int):
+    def detect(mm: Mismatch) -> str | None:
+        if not isinstance(mm.got, torch.Tensor) or m < 2:
+            return None
+        for i, g in enumerate(mm.extra.get("per_microbatch", [])):
+            for scale in (1, m):
+                if g.shape == mm.got.shape and torch.allclose(mm.got.double(), scale * g.double(), rtol=1e-9,
+                                                               atol=1e-12):
+                    return (f"this is micro-batch {i}'s share alone{' (times m)' if scale > 1 else ''}, not the sum "
+                            "over all m: gradients must accumulate over micro-batches (never zero .grad or replace "
+                            "it between micro-batches).")
+        return None
+    return detect
+
+
+@STEP.check("2 stages, GPipe, m = 2: the loss and every gradient equal one process's (float64)", points=2,
+            timeout=RANKS_TIMEOUT)
+def _(ctx):
+    _step_case(ctx, 2, "gpipe", 2, {}, "GPipe, p=2, m=2")
+
+
+@STEP.check("3 stages, 1F1B, m = 6", points=2, timeout=RANKS_TIMEOUT)
+def _(ctx):
+    _step_case(ctx, 3, "1f1b", 6, {}, "1F1B, p=3, m=6")
+
+
+@STEP.check("4 stages, uneven layer split (1, 3, 2, 1 blocks), 1F1B, m = 4", timeout=RANKS_TIMEOUT)
+def _(ctx):
+    _step_case(ctx, 4, "1f1b", 4, {"layers": 7, "sizes": [1, 3, 2, 1]}, "1F1B, p=4, uneven, m=4")
+
+
+@STEP.check("interleaved 1F1B: 2 ranks × 2 chunks, m = 4", timeout=RANKS_TIMEOUT)
+def _(ctx):
+    _step_case(ctx, 2, "interleaved_1f1b", 4, {"virtual_stages": 2}, "interleaved, p=2, v=2, m=4")
+
+
+@STEP.check("activations freed as soon as each backward is done (trace; feedback only, no points)", points=0,
+            timeout=RANKS_TIMEOUT)
+def _(ctx):
+    m = 4
+    res = ctx.ranks(2, f"{ME}:pipeline_step", "gpipe", m, {}, timeout=RANKS_TIMEOUT)
+    for r in range(2):      # the executor records, after each action, how many micro-batches it holds
+        held = [e["meta"].get("stashed") for e in res.events("compute", rank=r) if "stashed" in e["meta"]]
+        ctx.expect(held and held[-1] == 0, f"rank {r} still holds {held[-1] if held else '?'} micro-batches after "
+                   "the step: backward_step must take its micro-batch OUT of the stash (stash.pop), or every "
+                   "activation stays alive until the step ends.")
+        ctx.expect(max(held) <= m, f"rank {r} held {max(held)} micro-batches at once with m = {m}.")
+
+
+# ----------------------------------------------------------------------------------------------
+# 4.6 — the bubble
+
+
+def _bubble_case(ctx, name: str, p: int, m: int, v: int = 1) -> None:
+    got = ctx.local(f"{H}:call", "bubble_fraction", (name, p, m), {"virtual_stages": v})
+    want = ctx.oracle("reference.pipeline.lecture:slot_bubble", name, p, m, v)
+    words = f"{name}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")
+    if not isinstance(got, (int, float)) or isinstance(got, bool):
+        raise CheckFailed(f"bubble_fraction({words}) must return a number, got {type(got).__name__}.")
+    if abs(got - want) <= 1e-12:
+        return
+    hint = ""
+    if abs(got - (p - 1) / m) < 1e-12:
+        hint = (" (p−1)/m is the bubble as a fraction of the ideal compute time (Megatron's form); the idle fraction "
+                "of the whole run divides by the total, (p−1)/(m + p − 1).")
+    elif abs(got - (p - 1) / p) < 1e-12:
+        hint = " (p−1)/p is the naive pipeline without micro-batches; m micro-batches shrink it."
+    elif v > 1 and abs(got - (p - 1) / (m + p - 1)) < 1e-12:
+        hint = " that is 1F1B's bubble: with v chunks per rank each block is 1/v of the work, so the fill takes 1/v as long."
+    elif name == "zb_h1" and abs(got - (p - 1) / (m + p - 1)) < 1e-12:
+        hint = (" that is 1F1B's bubble: ZB-H1 splits the backward into B and W (three slots per micro-batch) and "
+                "fills the cool-down with W's.")
+    raise CheckFailed(f"bubble_fraction({words}) = {got:.6g}; measured on the schedule's slot timeline it is "
+                      f"{want:.6g}.{hint}")
+
+
+@BUBBLE.check("GPipe and 1F1B on 2–64 stages and 1–512 micro-batches: the measured slot bubble", points=2)
+def _(ctx):
+    for name, p, m in (("gpipe", 4, 8), ("gpipe", 2, 1), ("1f1b", 4, 8), ("1f1b", 3, 5), ("gpipe", 64, 512)):
+        _bubble_case(ctx, name, p, m)
+
+
+@BUBBLE.check("interleaved 1F1B with 2 and 3 chunks per rank")
+def _(ctx):
+    for p, m, v in ((4, 8, 2), (2, 6, 3), (3, 9, 2)):
+        _bubble_case(ctx, "interleaved_1f1b", p, m, v)
+
+
+@BUBBLE.check("ZB-H1: the backward split in two fills the cool-down")
+def _(ctx):
+    for p, m in ((4, 8), (3, 3), (5, 7)):
+        _bubble_case(ctx, "zb_h1", p, m)
+
+
+@BUBBLE.check("what schedule() refuses raises ValueError: an unknown name, 1F1B with m < p", requires_value=True)
+def _(ctx):
+    for args, kw in ((("pipedream", 4, 8), {}), (("1f1b", 4, 2), {})):
+        err = ctx.local(f"{H}:raises", "bubble_fraction", args, kw)
+        if err != "ValueError":
+            raise CheckFailed(f"bubble_fraction{args} should raise ValueError, "
+                              f"{'returned a number' if err is None else 'raised ' + err}.")
+
+
+HINTS = {
+    "4.4": [
+        "Stage s must have sent some forwards down the pipe before the first backward can come back up: how many "
+        "micro-batches are in flight below it when the last stage starts its first backward? After that, alternate.",
+        "Warm-up: w = min(m, p − s − 1) forwards (the last stage: none). Then m − w pairs: the forward of the next "
+        "micro-batch, then the backward of the oldest one in flight. Then the w backwards left.",
+        "order = [F(i) for i < w]; for i in range(m − w): order += [F(w + i), B(i)]; order += [B(i) for i in "
+        "range(m − w, m)], each as Action(\"F\", i) / Action(\"B\", i). Check it with simulate() and render().",
+    ],
+    "4.5": [
+        "The first stage reads inputs, the others link.recv_activation(microbatch); run the module; the last stage "
+        "computes the loss, the others link.send_activation(...). Keep in stash what the backward of this "
+        "micro-batch will need.",
+        "Forward: make the received activation a leaf that requires grad (x.requires_grad_()) so backward gives "
+        "its gradient; the last stage's loss is loss_fn(y, target) / num_microbatches (the mean over the batch); "
+        "stash[microbatch] = (x, y or loss); send y.detach().",
+        "Backward: x, y = stash.pop(microbatch) (pop frees it); dy = None on the last stage, else "
+        "link.recv_gradient(microbatch); torch.autograd.backward(y, dy); if not link.is_first: "
+        "link.send_gradient(x.grad, microbatch).",
+    ],
+    "4.6": [
+        "Count in slots. While the first micro-batch travels down and the last one comes back, how many slots does "
+        "each stage wait, and how many does it work in total?",
+        "GPipe and 1F1B: each stage works 2m slots (F and B) and waits 2(p − 1) — the fill and the drain. The idle "
+        "fraction is idle / (idle + work). Interleaving cuts every block into v smaller ones; ZB-H1 works 3m slots.",
+        "gpipe, 1f1b: (p−1)/(m+p−1); interleaved: (p−1)/(v·m+p−1); zb_h1: (p−1)/(3m+p−1). Validate first: an "
+        "unknown name or 1F1B with m < p raises ValueError (reference.pipeline.schedules has the rules).",
+    ],
+}

@@ -1,0 +1,119 @@
+"""Lecture 4b as a learner meets it: the grader on the reference (full marks), on the stubs (zero,
+"not implemented"), and on the classic mistakes, each named in the feedback."""
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from exercises.grading import core
+
+IDS = ["4.4", "4.5", "4.6"]
+
+MUTANT = '''
+import torch
+from reference.pipeline.schedules import Action
+
+
+def one_f_one_b(num_stages, num_microbatches, stage):      # MISTAKE: one warm-up forward too many
+    p, m, s = num_stages, num_microbatches, stage
+    w = min(m, p - s)
+    order = [Action("F", i) for i in range(w)]
+    for i in range(m - w):
+        order += [Action("F", w + i), Action("B", i)]
+    return order + [Action("B", i) for i in range(m - w, m)]
+
+
+def forward_step(module, microbatch, link, stash, *, inputs=None, target=None, loss_fn=None, num_microbatches=1):
+    x = inputs if link.is_first else link.recv_activation(microbatch).requires_grad_()
+    y = module(x)
+    if link.is_last:
+        loss = loss_fn(y, target)                          # MISTAKE: not divided by m
+        stash[microbatch] = (x, loss, module)
+        return loss.detach()
+    link.send_activation(y.detach(), microbatch)
+    stash[microbatch] = (x, y, module)
+    return None
+
+
+def backward_step(microbatch, link, stash):
+    x, y, module = stash.pop(microbatch)
+    dy = None if link.is_last else link.recv_gradient(microbatch)
+    torch.autograd.backward(y, dy)
+    if not link.is_first:
+        link.send_gradient(x.grad, microbatch)
+
+
+def bubble_fraction(name, num_stages, num_microbatches, *, virtual_stages=1):
+    from reference.pipeline.schedules import _check
+    _check(name, num_stages, num_microbatches, virtual_stages)
+    return (num_stages - 1) / (virtual_stages * num_microbatches)      # MISTAKE: relative to the ideal time
+'''
+
+NOT_ACCUMULATED = '''
+import torch
+
+
+def forward_step(module, microbatch, link, stash, *, inputs=None, target=None, loss_fn=None, num_microbatches=1):
+    x = inputs if link.is_first else link.recv_activation(microbatch).requires_grad_()
+    y = module(x)
+    if link.is_last:
+        loss = loss_fn(y, target) / num_microbatches
+        stash[microbatch] = (x, loss, module)
+        return loss.detach()
+    link.send_activation(y.detach(), microbatch)
+    stash[microbatch] = (x, y, module)
+    return None
+
+
+def backward_step(microbatch, link, stash):                       # MISTAKE: .grad replaced, not accumulated
+    x, y, module = stash.pop(microbatch)
+    for p in module.parameters():
+        p.grad = None
+    dy = None if link.is_last else link.recv_gradient(microbatch)
+    torch.autograd.backward(y, dy)
+    if not link.is_first:
+        link.send_gradient(x.grad, microbatch)
+'''
+
+
+@pytest.fixture(scope="module")
+def mutants(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline_mutants")
+    for name, src in (("pipe_mutant", MUTANT), ("pipe_mutant_acc", NOT_ACCUMULATED)):
+        (root / name).mkdir()
+        (root / name / "__init__.py").write_text("")
+        (root / name / "pipeline.py").write_text(textwrap.dedent(src))
+    sys.path.insert(0, str(root))
+    try:
+        yield {"mutant": {r.exercise.id: r for r in core.grade("pipe_mutant", IDS, include_hidden=False)},
+               "acc": {r.exercise.id: r for r in core.grade("pipe_mutant_acc", ["4.5"], include_hidden=False)}}
+    finally:
+        sys.path.remove(str(root))
+        for name in ("pipe_mutant", "pipe_mutant_acc"):
+            for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                sys.modules.pop(mod)
+
+
+def test_reference_scores_full_marks_and_stubs_score_zero(course_grades):
+    ref = {r.exercise.id: r for r in course_grades("reference")[0]}
+    for i in IDS:
+        assert ref[i].score == ref[i].max_score > 0, [c.message for c in ref[i].checks if not c.passed]
+    stubs = {r.exercise.id: r for r in course_grades("exercises")[0]}
+    for i in IDS:
+        assert stubs[i].score == 0
+        assert any("not implemented" in c.message for c in stubs[i].checks)
+
+
+@pytest.mark.parametrize("who,ex_id,words", [
+    ("mutant", "4.4", "1F1B warms up with min(m, p − s − 1)"),
+    ("mutant", "4.5", "each micro-batch's loss must be divided by m"),
+    ("acc", "4.5", "gradients must accumulate over micro-batches"),
+    ("mutant", "4.6", "fraction of the ideal compute time"),
+])
+def test_the_grader_names_the_classic_mistake(mutants, who, ex_id, words):
+    res = mutants[who][ex_id]
+    failed = [c.message for c in res.checks if not c.passed]
+    assert any(words in m for m in failed), failed
+    assert res.score < res.max_score
