@@ -86,7 +86,7 @@ def formulas(sizes: tuple = (2, 3, 4, 8, 16), max_microbatches: int = 128) -> di
 
 
 @recordable("04b.timed", needs=("4.4", "4.5"), ignore=("worlds",))
-def timed_runs(p: int = 4, m: int = 8, width: int = 192, layers: int = 8, repeats: int = 3,
+def timed_runs(p: int = 2, m: int = 8, width: int = 192, layers: int = 8, repeats: int = 3,
                worlds: dict | None = None) -> dict:
     """GPipe and 1F1B with enough work per block to see time: the fastest of ``repeats`` steps
     each: {name: {"trace", "seconds", "wall_bubble"}}."""
