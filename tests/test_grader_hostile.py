@@ -114,7 +114,7 @@ def test_results_json_is_written_after_each_exercise(tmp_path, no_orphans):
         proc.wait()
     doc = json.loads(out.read_text())
     assert {t["extra_data"]["exercise"] for t in doc["tests"]} == {"0.2"}
-    assert doc["score"] == 6 and "stopped before the end" in doc["output"]
+    assert doc["score"] == 5 and "stopped before the end" in doc["output"]   # 0.2: 4 visible + 1 hidden point
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ def test_fresh_inputs_make_an_answer_lookup_earn_nothing(tmp_path, no_orphans):
     _, fresh = run_grade(tmp_path, "lookup", ("0.2",), "--fresh-inputs")
     assert scores(fresh)["0.2"] == 0                     # ...and earns nothing on inputs nobody has seen
     _, honest = run_grade(tmp_path, "hang", ("0.2",), "--fresh-inputs")
-    assert honest["score"] == 6                          # honest work keeps every point
+    assert honest["score"] == 5                          # honest work keeps every point (4 visible + 1 hidden)
 
 
 def test_functions_that_only_raise_earn_nothing(tmp_path, no_orphans):
