@@ -14,15 +14,20 @@ __all__ = ["rank_groups"]
 
 
 def rank_groups(sizes: dict[str, int], order: Sequence[str], axis: str | Sequence[str]) -> list[list[int]]:
-    """Every group of ``axis`` on a grid of ``sizes`` laid out in ``order`` (fastest-varying first).
+    """Every group of ``axis`` on a grid of ``sizes`` laid out in ``order`` (exercise 5c.1).
 
-    sizes: e.g. ``{"tp": 2, "cp": 1, "dp": 2, "pp": 2}``; order: the same axes, fastest-varying
-    first (Megatron: ``("tp", "cp", "dp", "pp")``); a rank's coordinates are the digits of its
-    number in that mixed radix: ``rank = c[o0] + s[o0]·(c[o1] + s[o1]·(c[o2] + …))``.
-    axis: one axis, or several (``("dp", "cp")``): a group is the ranks whose coordinates differ
-    only there.  Returns every group as a sorted list of ranks, groups sorted by smallest rank.
-    Raises ValueError if ``order`` is not an arrangement of the axes of ``sizes``, a size is not a
-    positive integer, or ``axis`` is not one of them.
+    sizes: group size per axis, e.g. ``{"tp": 2, "cp": 1, "dp": 2, "pp": 2}``; order: the same axes,
+    **fastest-varying first** (``("tp", "cp", "dp", "pp")`` is Megatron's; picotron's
+    ``view(dp, pp, cp, tp)`` is ``("tp", "cp", "pp", "dp")``).  A rank's coordinates are the digits
+    of its number in that mixed radix::
+
+        rank = c[o0] + s[o0]·(c[o1] + s[o1]·(c[o2] + s[o2]·c[o3]))      o = order, s = sizes
+
+    A group of ``axis`` (one axis, or several: ``("dp", "cp")``) is the set of ranks whose
+    coordinates differ only on those axes.  Returns every group as a sorted list, the groups sorted
+    by their smallest rank; together they hold every rank exactly once.
+    Raises ``ValueError`` if ``order`` is not an arrangement of the axes of ``sizes``, a size is
+    not a positive integer, or ``axis`` is not one of them.
     """
     raise NotImplementedError(
         'Exercise 5c.1 (rank_groups): Write each rank as digits in the mixed radix of the sizes, the first '

@@ -33,7 +33,6 @@ def one_f_one_b(num_stages: int, num_microbatches: int, stage: int) -> list[Acti
     Warm-up: min(m, p − stage − 1) forwards.  Steady state: one forward, then one backward (the
     oldest micro-batch in flight), until every forward has run.  Cool-down: the backwards left.
     Stage s thus holds at most p − s micro-batches' activations at once.
-    Returns a list of ``Action("F", i)`` / ``Action("B", i)``, each micro-batch 0 … m−1 once of each kind.
     """
     raise NotImplementedError(
         'Exercise 4.4 (one_f_one_b): Stage s must have sent some forwards down the pipe before the first '
@@ -48,7 +47,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int, stage: int) -> list[Acti
 def forward_step(module: nn.Module, microbatch: int, link: Link, stash: dict, *, inputs: torch.Tensor | None = None,
                  target: torch.Tensor | None = None, loss_fn: Callable | None = None,
                  num_microbatches: int = 1) -> torch.Tensor | None:
-    """F of one micro-batch on one stage — exercise 4.5.
+    """F of one micro-batch on one stage.
 
     x = ``inputs`` (first stage: this micro-batch's rows, (b/m, …)) or the activation received
     from the stage before (made a leaf that requires grad, so backward yields its gradient);
@@ -63,9 +62,9 @@ def forward_step(module: nn.Module, microbatch: int, link: Link, stash: dict, *,
 
 
 def backward_step(microbatch: int, link: Link, stash: dict) -> None:
-    """B of one micro-batch on one stage — exercise 4.5: take (x, y) out of the stash (freeing it),
-    backprop the gradient received from the next stage (last stage: y is the loss, its own gradient
-    is 1) — parameters' ``.grad`` accumulate — and send x's gradient to the stage before (if any)."""
+    """B of one micro-batch on one stage: take (x, y) out of the stash (freeing it), backprop the
+    gradient received from the next stage (last stage: y is the loss, its own gradient is 1) —
+    parameters' ``.grad`` accumulate — and send x's gradient to the stage before (if any)."""
     raise NotImplementedError(
         'Exercise 4.5 (backward_step): The mirror image of forward_step: what comes in is a gradient from the '
         'next stage (none on the last stage: there y is the loss), what goes out is the gradient of this stage\'s '
@@ -80,9 +79,9 @@ def bubble_fraction(name: str, num_stages: int, num_microbatches: int, *, virtua
     """The idle fraction of a schedule, by formula — exercise 4.6.
 
     name: "gpipe", "1f1b", "interleaved_1f1b" (v = ``virtual_stages`` chunks per rank) or "zb_h1".
-    With every F, B (and W) one slot: idle slots / (p × the slots from the first start to the last end).
-    Raises ValueError for what :func:`reference.pipeline.schedule` refuses (unknown name, m < p for
-    1f1b/zb_h1, interleaved with m not a multiple of p or v < 2, v ≠ 1 elsewhere).
+    With every F, B (and W) one slot: idle slots / (p × the slots from the first start to the last end),
+    which :func:`simulate` + :func:`measured_bubble` on :func:`schedule` measure (notebook 04b
+    derives each case).  Raises ValueError for what :func:`schedule` refuses.
     """
     raise NotImplementedError(
         'Exercise 4.6 (bubble_fraction): Count in slots. While the first micro-batch travels down and the last '

@@ -290,14 +290,10 @@ def measured_bubble(timeline: Timeline) -> float:
 def bubble_fraction(name: str, num_stages: int, num_microbatches: int, *, virtual_stages: int = 1) -> float:
     """The idle fraction of a schedule, by formula — exercise 4.6.
 
-    With F and B (and W) one slot each, every stage works 2m slots (3m for zb_h1) and waits while
-    the first micro-batch fills the pipeline and the last drains it:
-
-        gpipe, 1f1b        (p−1)·(F+B) idle      → (p−1) / (m + p − 1)
-        interleaved_1f1b   chunks of 1/v the work: (p−1)/v idle per unit → (p−1) / (v·m + p − 1)
-        zb_h1              W fills the tail; (p−1)·(F+B−W) = p−1 idle, 3m busy → (p−1) / (3m + p − 1)
-
-    :func:`simulate` + :func:`measured_bubble` on :func:`schedule` give the same numbers.
+    name: "gpipe", "1f1b", "interleaved_1f1b" (v = ``virtual_stages`` chunks per rank) or "zb_h1".
+    With every F, B (and W) one slot: idle slots / (p × the slots from the first start to the last end),
+    which :func:`simulate` + :func:`measured_bubble` on :func:`schedule` measure (notebook 04b
+    derives each case).  Raises ValueError for what :func:`schedule` refuses.
     """
     _check(name, num_stages, num_microbatches, virtual_stages)
     p, m, v = num_stages, num_microbatches, virtual_stages
