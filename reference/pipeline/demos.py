@@ -80,6 +80,17 @@ def _setup(num_stages, layers, width, batch, num_microbatches, virtual_stages, s
     return model, pieces, make_batch(batch, width, seed=seed, dtype=dtype)
 
 
+def _my_share(stages, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype):
+    """This rank's part of the run on the first ``stages`` ranks: (group, p, rank in it, full model,
+    its chunks, (inputs, targets)); None on a rank outside those stages."""
+    group = first_ranks_group(stages or comm.world_size())
+    if comm.rank() >= (stages or comm.world_size()):
+        return None
+    p, r = comm.world_size(group), comm.rank(group)
+    model, pieces, batch_xy = _setup(p, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype)
+    return group, p, r, model, chunks_of_rank(pieces, r, p), batch_xy
+
+
 def pipeline_worker(schedule: str = "1f1b", num_microbatches: int = 4, *, virtual_stages: int = 1,
                     stages: int | None = None, layers: int | None = None, width: int = 8, batch: int | None = None,
                     sizes=None, seed: int = 0, dtype: str = "float64", actions=None, check: bool = True) -> dict | None:
@@ -91,12 +102,10 @@ def pipeline_worker(schedule: str = "1f1b", num_microbatches: int = 4, *, virtua
     rank's parameters)}.  The schedule, stash and bubble are in the world's trace
     (:func:`.executor.actions_from_trace`, :func:`.executor.peak_stashed_from_trace`).
     """
-    group = first_ranks_group(stages or comm.world_size())
-    if comm.rank() >= (stages or comm.world_size()):
+    share = _my_share(stages, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype)
+    if share is None:
         return None
-    p, r = comm.world_size(group), comm.rank(group)
-    model, pieces, (x, y) = _setup(p, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype)
-    mine = chunks_of_rank(pieces, r, p)
+    group, p, r, model, mine, (x, y) = share
     loss = run_pipeline(mine, schedule, x, y, mse, num_microbatches=num_microbatches,
                         virtual_stages=virtual_stages, group=group, actions=actions, check=check)
     return {"rank": r, "stages": [c * p + r for c in range(virtual_stages)],
@@ -157,12 +166,10 @@ def torch_pipeline_worker(schedule: str = "1f1b", num_microbatches: int = 4, *, 
     {"loss" (mean of its per-micro-batch losses, last stage), "grads", "order" (its pipeline_order
     as our actions, every stage), "executed" (what this rank ran, in order, as our actions)}."""
     from torch.distributed.pipelining import PipelineStage
-    group = first_ranks_group(stages or comm.world_size())
-    if comm.rank() >= (stages or comm.world_size()):
+    share = _my_share(stages, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype)
+    if share is None:
         return None
-    p, r = comm.world_size(group), comm.rank(group)
-    model, pieces, (x, y) = _setup(p, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype)
-    mine = chunks_of_rank(pieces, r, p)
+    group, p, r, model, mine, (x, y) = share
     executed: list[Action] = []
     stages = []
     for c, module in enumerate(mine):
