@@ -1,0 +1,22 @@
+"""Lecture 5c — four axes, composed: the tiny GPT trained on one rank grid, exactly as one process.
+
+Read in this order: :mod:`.parallel_gpt` (this rank's piece of the model: which layer of which
+lecture cuts each parameter, and which group averages its gradient), :mod:`.train` (the step:
+data slices, pipeline, gradient synchronisation, Adam; the bytes each axis moves, measured and
+by formula), :mod:`.workers` (rank functions for ``run_world``), then
+``scripts/train_composed.py`` (the same under ``torchrun``).
+
+Every axis is the lecture's own layer, reused: tensor (reference.tensor), context
+(reference.sequence.ring_attention), expert (reference.moe), pipeline (reference.pipeline),
+data (reference.moe.sync_moe_gradients / the dp_cp all-reduce); the grid is reference.mesh.RankGrid.
+"""
+from .parallel_gpt import (SIZE_KEYS, ComposedBlock, ContextParallelAttention, ExpertParallelMLP, ParallelGPT, Shard,
+                           check_sizes, full_state_dict, padded_vocab)
+from .train import (axis_of, expected_bytes, global_loss, local_batch, measured_bytes, param_counts, sync_gradients,
+                    train_step)
+from .workers import Adam, build, fit, size_errors, train_worker
+
+__all__ = ["SIZE_KEYS", "ParallelGPT", "ComposedBlock", "ContextParallelAttention", "ExpertParallelMLP", "Shard",
+           "check_sizes", "padded_vocab", "full_state_dict", "local_batch", "sync_gradients", "train_step",
+           "global_loss", "axis_of", "measured_bytes", "param_counts", "expected_bytes", "build", "fit",
+           "train_worker", "size_errors", "Adam"]

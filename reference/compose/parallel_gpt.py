@@ -1,0 +1,379 @@
+"""Lecture 5c, part 1 — this rank's piece of the tiny GPT, for any rank grid.
+
+Every rank builds the same single-process :class:`reference.gpt.TinyGPT` from the seed and keeps
+its own piece of it (``ParallelGPT(gpt, grid)``).  Nothing here is a new parallel layer: each
+axis is the lecture's own, composed.
+
+    axis  what this rank keeps                               the lecture's layer
+    ────  ─────────────────────────────────────────────────  ─────────────────────────────────────
+    tp    my heads of qkv, my rows of fc1 / cols of fc2 and   tensor.ParallelSelfAttention.from_module
+          of proj, my slice of the (padded) vocabulary        tensor.ParallelMLP, VocabParallelEmbedding,
+          (+ sequence_parallel: LayerNorms on S/tp rows)      ColumnParallelLinear, vocab_parallel_cross_entropy
+    cp    my two zigzag chunks of the sequence; attention's   sequence.ring_attention, positions
+          ``attend`` becomes ring attention over cp
+    ep    experts e ∈ [r·E/ep, (r+1)·E/ep) of each MoE layer  moe.ExpertParallelMoE (dropless all-to-all),
+          (each expert itself cut over tp like the MLP)       its experts as tensor.ParallelMLP
+    pp    blocks of my stage (contiguous, balanced), the      pipeline.balanced_sizes (the executor
+          embedding on the first, ln_f + head on the last     runs them: compose.train)
+    dp    nothing: a full replica of the above (its rows of the batch come in compose.train)
+
+Activations are (S, B, d), sequence first as in Megatron, so sequence parallelism can cut dim 0.
+
+Which group averages each gradient (compose.train does it; ``dp_cp`` = the dp·cp ranks that hold
+the same shard and saw different tokens, ``edp`` = dp·cp/ep ranks that hold the same experts)::
+
+    parameter                          sharded over    gradient averaged over    why
+    ─────────────────────────────────  ─────────────   ─────────────────────────  ───────────────────────────
+    qkv, proj.weight, fc1, fc2.weight  tp              dp_cp                      my shard, other tokens
+    tok_emb, head (vocab rows)         tp              dp_cp
+    ln1, ln2, ln_f, pos_emb,           — (tp copies)   dp_cp                      tp copies saw the same
+    proj.bias, fc2.bias, router                                                   tokens: equal grads already
+      … with sequence_parallel         — (tp copies)   Σ over tp, then dp_cp      each tp rank saw S/tp rows
+    experts (0 = fc1, 2 = fc2)         ep × tp         Σ over edp, ÷ dp·cp        the all-to-all already
+                                                                                  summed the ep group's tokens
+    (any of them)                      pp (stages)     —                          one stage owns it
+
+On 8 ranks, tp = cp = dp = 2 (rank = tp + 2·(cp + 2·dp), reference.mesh)::
+
+                 cp 0      cp 1
+        dp 0    [0  1]    [2  3]        [a b] = a tp group: the same tokens, different shards
+        dp 1    [4  5]    [6  7]        dp_cp group of rank 0: {0, 2, 4, 6} — tp shard 0, all four
+                                        quarters of the batch (2 sequences × 2 halves), so rank 0's
+                                        qkv shard steps with the mean of these four gradients
+
+The vocabulary (27 characters) rarely divides by tp: as Megatron does, it is padded to a multiple
+of tp with zero rows; the padded logits are set to −∞ before the loss, so the loss, every
+gradient and the Adam step are exactly those of the unpadded model (the padded rows get zero
+gradients and stay zero).  :func:`full_state_dict` cuts the padding off again.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm
+from ..gpt import MLP, GPTConfig, MoEMLP, TinyGPT
+from ..mesh import RankGrid
+from ..moe import ExpertParallelMoE
+from ..pipeline import balanced_sizes
+from ..sequence import positions, ring_attention
+from ..tensor import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, VocabParallelEmbedding,
+                      vocab_parallel_cross_entropy)
+
+__all__ = ["check_sizes", "padded_vocab", "ParallelGPT", "ContextParallelAttention", "ExpertParallelMLP",
+           "full_state_dict", "SIZE_KEYS"]
+
+SIZE_KEYS = ("dp", "tp", "pp", "cp", "ep")
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizes: checked on every rank before any message
+
+
+def check_sizes(cfg: GPTConfig, sizes: dict, world_size: int, batch_size: int, *, sequence_parallel: bool = False,
+                num_microbatches: int = 1) -> RankGrid:
+    """The :class:`RankGrid` of ``sizes`` for ``cfg``, or ValueError naming the size that does not fit.
+
+    Pure arithmetic on arguments every rank has, so every rank raises the same error before any
+    message (a rank that raised alone would leave its peers waiting in a collective).  PP with MoE
+    layers, and sequence parallelism with MoE layers, raise NotImplementedError.
+    """
+    unknown = set(sizes) - set(SIZE_KEYS)
+    if unknown:
+        raise ValueError(f"unknown axes {sorted(unknown)}; sizes takes {', '.join(SIZE_KEYS)}")
+    grid = RankGrid(world_size, **sizes)              # positive integers, tp·cp·dp·pp = world, ep | dp·cp
+    tp, cp, dp, pp, ep = grid.tp, grid.cp, grid.dp, grid.pp, grid.ep
+    if cfg.heads % tp:
+        raise ValueError(f"tp={tp} must divide the {cfg.heads} attention heads (each rank keeps whole heads)")
+    if cfg.d_ff % tp:
+        raise ValueError(f"tp={tp} must divide d_ff={cfg.d_ff} (fc1 rows / fc2 columns)")
+    if cp > 1 and cfg.seq_len % (2 * cp):
+        raise ValueError(f"cp={cp}: the zigzag layout cuts the sequence into 2·cp = {2 * cp} equal chunks; "
+                         f"seq_len={cfg.seq_len} is not a multiple of {2 * cp}")
+    if batch_size % dp:
+        raise ValueError(f"dp={dp} must divide the batch of {batch_size} sequences")
+    if ep > 1 and not cfg.num_experts:
+        raise ValueError(f"ep={ep} needs MoE layers (num_experts > 0)")
+    if cfg.num_experts and cfg.num_experts % ep:
+        raise ValueError(f"ep={ep} must divide num_experts={cfg.num_experts}")
+    if pp > cfg.layers:
+        raise ValueError(f"pp={pp} stages need at least {pp} layers, the model has {cfg.layers}")
+    if num_microbatches < 1 or (batch_size // dp) % num_microbatches:
+        raise ValueError(f"{num_microbatches} micro-batches must divide the {batch_size // dp} sequences of a dp rank")
+    if pp == 1 and num_microbatches != 1:
+        raise ValueError("num_microbatches is the pipeline's m: it needs pp > 1")
+    if sequence_parallel and tp > 1 and (cfg.seq_len // cp) % tp:
+        raise ValueError(f"sequence parallelism cuts each rank's {cfg.seq_len // cp} tokens over tp={tp}")
+    moe = any(cfg.is_moe(i) for i in range(cfg.layers))
+    if moe and pp > 1:
+        raise NotImplementedError("pp > 1 with MoE layers: each stage's aux losses would have to reach the last "
+                                  "stage's loss, and micro-batches change the aux loss's routing group")
+    if moe and sequence_parallel and tp > 1:
+        raise NotImplementedError("sequence parallelism with MoE layers (each tp rank would route other tokens)")
+    return grid
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """``vocab`` rounded up to a multiple of ``tp`` (Megatron's padding)."""
+    return -(-vocab // tp) * tp
+
+
+def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight`` (V, d) with zero rows appended up to ``rows`` (a new tensor)."""
+    w = weight.detach()
+    return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers: the lectures' layers, wired for the grid
+
+
+class ContextParallelAttention(nn.Module):
+    """Causal self-attention over (tp, cp): my heads (tp), my zigzag chunks of the sequence (cp).
+
+    qkv and proj are :class:`reference.tensor.ParallelSelfAttention`'s column/row-parallel cuts
+    (TinyGPT's ``Attention`` has the same [q; k; v] layout); the attention in between, TinyGPT's
+    ``attend``, becomes :func:`reference.sequence.ring_attention` over the cp group (one local
+    fused block when cp = 1).  x: (S_l, B, d), or (S_l/tp, B, d) with sequence parallelism.
+    """
+
+    def __init__(self, attn, tp_group, cp_group, *, sequence_parallel: bool = False, name: str = "attn"):
+        super().__init__()
+        twin = SimpleNamespace(heads=attn.heads, qkv=attn.qkv, proj=attn.proj, causal=True, dropout_p=0.0)
+        tp_attn = ParallelSelfAttention.from_module(twin, tp_group, sequence_parallel=sequence_parallel, name=name)
+        self.qkv, self.proj, self.local_heads = tp_attn.qkv, tp_attn.proj, tp_attn.local_heads
+        self.cp_group = cp_group
+        self.layout = "zigzag" if comm.world_size(cp_group) > 1 else "contiguous"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)                     # (S_l, B, heads/tp · d_h) each
+        S, B, _ = q.shape
+        q, k, v = (t.reshape(S, B, self.local_heads, -1).permute(1, 2, 0, 3) for t in (q, k, v))
+        out = ring_attention(q, k, v, causal=True, layout=self.layout, group=self.cp_group)
+        return self.proj(out.permute(2, 0, 1, 3).reshape(S, B, -1))
+
+
+class ExpertParallelMLP(nn.Module):
+    """TinyGPT's MoE layer over (ep, tp): :class:`reference.moe.ExpertParallelMoE` over the ep
+    group (dropless), each local expert cut over tp as a :class:`reference.tensor.ParallelMLP`
+    (Megatron's default: expert tensor parallel size = tp).  The load-balancing loss is the whole
+    global batch's (``aux_group`` = dp_cp), as one process computes it over all B·S tokens."""
+
+    def __init__(self, moe_mlp: MoEMLP, tp_group, ep_group, aux_group, *, name: str = "mlp"):
+        super().__init__()
+        self.moe = ExpertParallelMoE.from_layer(moe_mlp.moe, ep_group, aux_group=aux_group)
+        first = self.moe.first_expert
+        self.moe.experts = nn.ModuleList(
+            ParallelMLP.from_module(SimpleNamespace(fc1=e[0], fc2=e[2]), tp_group, name=f"{name}.experts.{first + j}")
+            for j, e in enumerate(self.moe.experts))
+        self.aux_loss = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        S, B, d = x.shape
+        y, stats = self.moe(x.reshape(S * B, d))
+        self.aux_loss = stats["aux_loss"]
+        return y.view(S, B, d)
+
+
+class ComposedBlock(nn.Module):
+    """Pre-LayerNorm block: x + attn(ln1(x)), then + mlp(ln2(x)); mlp dense or MoE."""
+
+    def __init__(self, block, index: int, groups: dict, sequence_parallel: bool):
+        super().__init__()
+        tp, name = groups["tp"], f"blocks.{index}"
+        self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
+        self.attn = ContextParallelAttention(block.attn, tp, groups["cp"], sequence_parallel=sequence_parallel,
+                                             name=f"{name}.attn")
+        if isinstance(block.mlp, MLP):
+            self.mlp = ParallelMLP.from_module(block.mlp, tp, sequence_parallel=sequence_parallel, name=f"{name}.mlp")
+        else:
+            self.mlp = ExpertParallelMLP(block.mlp, tp, groups["ep"], groups["dp_cp"], name=f"{name}.mlp")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# The model: one pipeline stage of it
+
+
+@dataclass
+class Shard:
+    """Where a single-process parameter lives on this rank, and how to put it back together.
+
+    kind: "replicated" (the whole tensor), "column" (rows r·n/tp …, dim 0), "row" (columns, dim 1),
+    "qkv" (column-parallel with [q_r; k_r; v_r] per rank), "vocab" (rows of the padded vocabulary).
+    expert: the parameter belongs to an expert (lives on one ep rank, synced over edp).
+    """
+    param: nn.Parameter
+    kind: str
+    expert: bool = False
+
+
+class ParallelGPT(nn.Module):
+    """This rank's piece of ``gpt`` on ``grid``: one pipeline stage, cut over tp, cp and ep.
+
+    ``forward(x)`` is the stage's forward: token ids (B, S_l) on the first stage (this rank's rows
+    and zigzag columns), the previous stage's activation (S_l, B, d) otherwise; it returns the
+    activation, or the logits (S_l, B, V_pad/tp) on the last stage.  ``loss_fn(logits, targets)``
+    is TinyGPT's loss on those tokens (the same value on every tp rank); with one stage
+    ``loss(idx, targets)`` chains both.  ``shards`` maps every single-process parameter name this
+    rank holds to its :class:`Shard`.  Must be built on every rank (it creates the grid's groups).
+    """
+
+    def __init__(self, gpt: TinyGPT, grid: RankGrid, *, sequence_parallel: bool = False):
+        super().__init__()
+        cfg = self.cfg = gpt.cfg
+        self.grid = grid
+        axes = ["tp", "cp", "dp_cp", "pp"] + (["ep", "edp"] if cfg.num_experts else [])
+        self.groups = {axis: grid.group(axis) for axis in axes}       # every rank, same order
+        me = self.coords = grid.coords()
+        self.sequence_parallel = sequence_parallel and grid.tp > 1
+        self.vocab, self.vocab_padded = cfg.vocab, padded_vocab(cfg.vocab, grid.tp)
+        sizes = balanced_sizes(cfg.layers, grid.pp)
+        self.layer_ids = list(range(sum(sizes[:me["pp"]]), sum(sizes[:me["pp"] + 1])))
+        self.is_first, self.is_last = me["pp"] == 0, me["pp"] == grid.pp - 1
+        self.blocks = nn.ModuleList(ComposedBlock(gpt.blocks[i], i, self.groups, self.sequence_parallel)
+                                    for i in self.layer_ids)
+        tp, sp, Vp = self.groups["tp"], self.sequence_parallel, self.vocab_padded
+        self.shards: dict[str, Shard] = {}
+        if self.is_first:
+            emb = nn.Embedding.from_pretrained(_pad_rows(gpt.tok_emb.weight, Vp), freeze=False)
+            self.tok_emb = VocabParallelEmbedding.from_module(emb, tp, sequence_parallel=sp)
+            self.pos_emb = copy.deepcopy(gpt.pos_emb)
+            pos = positions(cfg.seq_len, me["cp"], grid.cp, "zigzag" if grid.cp > 1 else "contiguous")
+            if sp:                                     # my rows of my cp rank's tokens
+                n = len(pos) // grid.tp
+                pos = pos[me["tp"] * n:(me["tp"] + 1) * n]
+            self.register_buffer("positions", pos, persistent=False)
+            self.shards["tok_emb.weight"] = Shard(self.tok_emb.weight, "vocab")
+            self.shards["pos_emb.weight"] = Shard(self.pos_emb.weight, "replicated")
+        for i, block in zip(self.layer_ids, self.blocks):
+            self._register_block(i, block)
+        if self.is_last:
+            self.ln_f = copy.deepcopy(gpt.ln_f)
+            head = SimpleNamespace(weight=_pad_rows(gpt.head.weight, Vp), bias=None, in_features=cfg.d_model,
+                                   out_features=Vp)
+            self.head = ColumnParallelLinear.from_linear(head, tp, sequence_parallel=sp, name="head")
+            first_id = me["tp"] * (Vp // grid.tp)
+            self.register_buffer("padding", torch.arange(first_id, first_id + Vp // grid.tp) >= cfg.vocab,
+                                 persistent=False)
+            self.has_padding = bool(self.padding.any())
+            self.shards.update({"ln_f.weight": Shard(self.ln_f.weight, "replicated"),
+                                "ln_f.bias": Shard(self.ln_f.bias, "replicated"),
+                                "head.weight": Shard(self.head.weight, "vocab")})
+        if {id(p) for p in self.parameters()} != {id(s.param) for s in self.shards.values()}:
+            raise AssertionError("every parameter needs a Shard entry, or its gradient would never be synchronised")
+
+    def _register_block(self, i: int, b: ComposedBlock) -> None:
+        p, s = f"blocks.{i}.", self.shards
+        for ln in ("ln1", "ln2"):
+            s[p + ln + ".weight"] = Shard(getattr(b, ln).weight, "replicated")
+            s[p + ln + ".bias"] = Shard(getattr(b, ln).bias, "replicated")
+        s[p + "attn.qkv.weight"], s[p + "attn.qkv.bias"] = Shard(b.attn.qkv.weight, "qkv"), Shard(b.attn.qkv.bias, "qkv")
+        s[p + "attn.proj.weight"] = Shard(b.attn.proj.weight, "row")
+        s[p + "attn.proj.bias"] = Shard(b.attn.proj.bias, "replicated")
+        if isinstance(b.mlp, ParallelMLP):
+            mlps = [(p + "mlp.", b.mlp, False)]
+        else:
+            s[p + "mlp.moe.router.weight"] = Shard(b.mlp.moe.router.weight, "replicated")
+            first = b.mlp.moe.first_expert
+            mlps = [(f"{p}mlp.moe.experts.{first + j}.", e, True) for j, e in enumerate(b.mlp.moe.experts)]
+        for prefix, m, expert in mlps:
+            fc1, fc2 = ("fc1", "fc2") if not expert else ("0", "2")
+            s[f"{prefix}{fc1}.weight"] = Shard(m.fc1.weight, "column", expert)
+            s[f"{prefix}{fc1}.bias"] = Shard(m.fc1.bias, "column", expert)
+            s[f"{prefix}{fc2}.weight"] = Shard(m.fc2.weight, "row", expert)
+            s[f"{prefix}{fc2}.bias"] = Shard(m.fc2.bias, "replicated", expert)
+
+    # -- parameters by the group their gradient is synchronised over (see the module docstring) --
+
+    def expert_params(self) -> list[nn.Parameter]:
+        return [s.param for s in self.shards.values() if s.expert]
+
+    def dense_params(self) -> list[nn.Parameter]:
+        return [s.param for s in self.shards.values() if not s.expert]
+
+    def sequence_parallel_params(self) -> list[nn.Parameter]:
+        """Replicated over tp but fed S/tp rows each under sequence parallelism: summed over tp."""
+        if not self.sequence_parallel:
+            return []
+        return [s.param for s in self.shards.values() if s.kind == "replicated" and not s.expert]
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """ids (B, S_l) → (S_l, B, d) (or my S_l/tp rows with sequence parallelism)."""
+        h = self.tok_emb(idx.t())
+        return h + self.pos_emb(self.positions).unsqueeze(1)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(S_l, B, d) → my vocabulary slice of the logits (S_l, B, V_pad/tp), padding at −∞."""
+        z = self.head(self.ln_f(h))
+        return z.masked_fill(self.padding, float("-inf")) if self.has_padding else z
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.logits(x) if self.is_last else x
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of these tokens (targets (B, S_l)) + aux_loss_coef × mean MoE aux loss."""
+        per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.t().reshape(-1),
+                                                 self.groups["tp"])
+        lm = per_token.mean()
+        aux = [b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, ExpertParallelMLP)]
+        return lm + self.cfg.aux_loss_coef * torch.stack(aux).mean() if aux else lm
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not (self.is_first and self.is_last):
+            raise ValueError("loss() runs the whole model: with pp > 1 use compose.train's pipeline step")
+        return self.loss_fn(self(idx), targets)
+
+    def stage_shapes(self, microbatch: int) -> dict:
+        """``{stage: ((input shape, dtype), (output shape, dtype))}`` of this stage's messages, for
+        :func:`reference.pipeline.run_pipeline` (no shape hand-shake, no dry run through the layers)."""
+        S = self.cfg.seq_len // self.grid.cp
+        act = ((S // self.grid.tp if self.sequence_parallel else S, microbatch, self.cfg.d_model),
+               next(self.parameters()).dtype)
+        return {self.coords["pp"]: (act, act)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Putting the parameters back together
+
+
+def _unshard_tp(t: torch.Tensor, kind: str, model: ParallelGPT) -> torch.Tensor:
+    W = model.grid.tp
+    if kind == "replicated" or W == 1:
+        full = t.detach().clone()
+    else:
+        parts = comm.all_gather(t.detach().contiguous(), group=model.groups["tp"], what="unshard")
+        full = torch.cat(parts, dim=1 if kind == "row" else 0)
+        if kind == "qkv":                          # [q_0 k_0 v_0 | q_1 k_1 v_1 | …] → [q; k; v]
+            d = full.shape[0] // 3
+            full = full.view(W, 3, d // W, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
+    return full[:model.vocab] if kind == "vocab" else full
+
+
+def full_state_dict(model: ParallelGPT) -> dict[str, torch.Tensor]:
+    """Every parameter of the single-process model, by its name, on every rank (collective).
+
+    tp shards are all-gathered (traced ``what="unshard"``), then the experts of the ep group and
+    the stages of the pp group are exchanged as Python objects.
+    """
+    full = {name: _unshard_tp(s.param, s.kind, model) for name, s in model.shards.items()}
+    for axis in ("ep", "pp"):
+        if model.grid.sizes[axis] > 1:
+            parts = [None] * model.grid.sizes[axis]
+            dist.all_gather_object(parts, full, group=model.groups[axis])
+            full = {k: v for part in parts for k, v in part.items()}
+    return full

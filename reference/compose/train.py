@@ -1,0 +1,230 @@
+"""Lecture 5c, part 2 — one training step on the rank grid, and the bytes each axis moves.
+
+The step, on every rank (``train_step``)::
+
+    global batch (B, S) of step t  ── get_batch: the same on every rank
+      │ rows    dp_rank·B/dp …          (data parallel: my sequences)
+      │ columns chunks cp_rank, 2cp−1−cp_rank   (context parallel, zigzag: my tokens)
+      ▼
+    forward + backward                  pp = 1: model.loss(x, y).backward()
+                                        pp > 1: reference.pipeline.run_pipeline (GPipe, 1F1B or ZB-H1,
+                                                m micro-batches, loss = mean over the whole batch)
+      ▼
+    gradient synchronisation            1. sequence parallelism: Σ over tp of the LayerNorm /
+                                           row-bias / pos_emb grads (tensor.sync_sequence_parallel_grads)
+                                        2. dense: average over dp_cp; experts: Σ over edp, ÷ dp·cp
+                                           (moe.sync_moe_gradients, with dp_group = dp_cp)
+      ▼
+    Adam step on my shards              elementwise, so sharded Adam = full Adam
+      ▼
+    loss of the whole batch             one all-reduce of one number (``what="loss"``)
+
+Why dp_cp and not dp.  Every rank's loss is the mean over ITS tokens: B/dp sequences × S/cp
+positions.  The objective is the mean over all of them, L = (1/(dp·cp)) Σ_r L_r, so every
+replicated gradient is the average over the dp·cp ranks that hold the same shard — the context
+ranks too: they saw other positions of the same sequences (forget them and each cp rank steps on
+its own half of the sequence; the replicas drift apart at once).  Tensor-parallel ranks hold
+different shards, or (LayerNorms, biases after a row-parallel layer) equal copies with equal
+gradients: they saw the same tokens.  Pipeline stages own disjoint parameters.
+
+Bytes per rank per step (``expected_bytes``; b bytes per element, T = (B/dp)·(S/cp) tokens of
+this rank, L_s blocks on its stage, d model width, [first]/[last] stage flags, n = group size).
+Wire bytes are what a ring algorithm sends (reference.comm.ring_bytes): all-reduce 2(n−1)/n of
+its input, all-gather (n−1)× the shard, reduce-scatter (n−1)/n of the input, p2p the message::
+
+    tp  (n = tp)  2(tp−1)/tp · b · [ T·d·(first + 4·L_dense + 2·L_moe + last) + 3·T·last
+                                     + 2·d·R ]                            (no sequence parallelism)
+                  embedding g, per block f(qkv)ᵇ g(proj)ᶠ f(fc1)ᵇ g(fc2)ᶠ, head f ᵇ, and the loss's
+                  3 all-reduces of one number per token (max, Σexp, target logit); R = rows the
+                  local experts received (an expert's fc1/fc2 cost f + g on its rows).
+                  sequence parallel: every all-reduce of T·d becomes a reduce-scatter + an all-gather
+                  of the same wire bytes, (tp−1)/tp · b · T·d · 2·(first + 4·L_s + last)  (MoE: not
+                  supported), + 2(tp−1)/tp · b · (3·T·last + P_sp)  [the loss, and Σ over tp of the
+                  P_sp replicated parameters that saw S/tp rows: 6d per block, pos_emb, ln_f]
+    cp  (n = cp)  6·(cp−1) · T·(d/tp)·b · L_s    per layer K,V forward (2 blocks × cp−1 hops),
+                  K,V again and the dK,dV accumulators backward
+    dp_cp         2(n−1)/n · b · P_dense         n = dp·cp, P_dense = dense parameters on this rank
+    edp           2(n−1)/n · b · P_expert        n = dp·cp/ep, P_expert = expert parameters on this rank
+    pp            T·d_a·b · ([not last] + [not first]),  d_a = d (d/tp with sequence parallelism):
+                  each micro-batch's activation forward and its gradient back
+    ep            payload per MoE layer: the dispatch and combine.backward all-to-alls hand in k·T·d·b
+                  each (routing-independent), combine and dispatch.backward R·d·b each, plus E counts
+                  and a 3-number input check; what leaves the rank depends on the routing
+
+The trace does not name groups; :func:`axis_of` reads the axis from what each lecture's layer
+writes in the event's meta (``operator`` f/g, ``what`` kv/dkv, dispatch, dense_grads, …).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..moe import sync_moe_gradients
+from ..pipeline import balanced_sizes, run_pipeline
+from ..sequence import shard_sequence
+from ..tensor import sync_sequence_parallel_grads
+from ..trace import COMM_OPS
+from .parallel_gpt import ParallelGPT, padded_vocab
+
+__all__ = ["local_batch", "sync_gradients", "train_step", "global_loss", "axis_of", "measured_bytes",
+           "param_counts", "expected_bytes"]
+
+
+def local_batch(x: torch.Tensor, y: torch.Tensor, model: ParallelGPT) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows (dp) and zigzag columns (cp) of the global batch's inputs and targets."""
+    g, c = model.grid, model.coords
+    n = x.shape[0] // g.dp
+    x, y = x[c["dp"] * n:(c["dp"] + 1) * n], y[c["dp"] * n:(c["dp"] + 1) * n]
+    if g.cp > 1:
+        x, y = (shard_sequence(t, c["cp"], g.cp, "zigzag", dim=1) for t in (x, y))
+    return x, y
+
+
+def sync_gradients(model: ParallelGPT) -> None:
+    """Make every rank's ``.grad`` the gradient of the whole batch's loss (see the module docstring)."""
+    sync_sequence_parallel_grads(model.sequence_parallel_params(), group=model.groups["tp"])
+    if model.grid.dp * model.grid.cp > 1:
+        sync_moe_gradients(model.dense_params(), model.expert_params(), dp_group=model.groups["dp_cp"],
+                           expert_dp_group=model.groups.get("edp"))
+
+
+def global_loss(model: ParallelGPT, loss: torch.Tensor | None) -> float:
+    """The whole batch's loss on every rank: the mean of the dp·cp ranks' losses (tp copies and the
+    stages without a loss add 0).  One all-reduce of one number over the world."""
+    mine = loss is not None and model.coords["tp"] == 0
+    t = torch.tensor([float(loss.detach()) if mine else 0.0], dtype=torch.float64,
+                     device=next(model.parameters()).device)
+    comm.all_reduce(t, what="loss")
+    return float(t) / (model.grid.dp * model.grid.cp)
+
+
+def train_step(model: ParallelGPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
+               schedule: str = "1f1b", num_microbatches: int = 1) -> float:
+    """One step on the global batch (x, y) (B, S), the same on every rank.  Returns its loss.
+
+    pp > 1: ``schedule`` is one of reference.pipeline's with one chunk per rank ("gpipe", "1f1b",
+    "zb_h1"), over ``num_microbatches`` equal micro-batches of this rank's rows.
+    """
+    x, y = local_batch(x, y, model)
+    optimizer.zero_grad(set_to_none=True)
+    if model.grid.pp == 1:
+        loss = model.loss(x, y)
+        loss.backward()
+    else:
+        loss = run_pipeline(model, schedule, x, y, model.loss_fn, num_microbatches=num_microbatches,
+                            group=model.groups["pp"], shapes=model.stage_shapes(x.shape[0] // num_microbatches))
+    sync_gradients(model)
+    optimizer.step()
+    return global_loss(model, loss)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bytes per axis: measured from the trace, and the formulas
+
+
+_TP_WHAT = {"max", "sum_exp", "target_logit"}          # vocab_parallel_cross_entropy's all-reduces
+_EP_WHAT = {"dispatch", "combine", "counts", "check_input", "dispatch.backward", "combine.backward"}
+_WHAT_AXIS = {"kv": "cp", "dkv": "cp", "dense_grads": "dp_cp", "expert_grads": "edp", "activation": "pp",
+              "gradient": "pp", "aux_loss": "aux", "loss": "report", "unshard": "unshard", "shape": "pp"}
+
+
+def axis_of(event) -> str:
+    """The axis a communication event belongs to, from its meta ("other" if unknown).
+
+    "aux" is the load-balancing loss's statistics (2E+1 numbers per MoE layer over dp_cp),
+    "report" the loss all-reduce, "unshard" the gathering of parameters after training.
+    """
+    m = event.meta
+    what = m.get("what", "")
+    if m.get("operator") in ("f", "g", "g-bar", "sp-grad-sync") or what in _TP_WHAT:
+        return "tp"
+    if what in _EP_WHAT:
+        return "ep"
+    return _WHAT_AXIS.get(what, "other")
+
+
+def _wire(event, n: int, index: int) -> int:
+    if event.op == "send":
+        return event.nbytes
+    if event.op == "all_to_all":                    # what leaves the rank: all but its own block
+        return event.nbytes - event.meta.get("send_bytes", [0] * n)[index]
+    if event.op in ("all_reduce", "all_gather", "reduce_scatter"):
+        return comm.ring_bytes(event.op, event.nbytes, n)
+    return 0
+
+
+def measured_bytes(trace, rank: int, grid, *, wire: bool = True) -> dict[str, int]:
+    """Bytes rank ``rank`` moved per axis in ``trace``: wire bytes of a ring algorithm (default) or
+    the payload handed to each collective / sent (``wire=False``).  Receives are not counted."""
+    group_axis = {"aux": "dp_cp", "unshard": "tp"}          # the rest: their own axis, else the world
+    out: dict[str, int] = {}
+    for e in trace.filter(rank=rank):
+        if e.op not in COMM_OPS or e.op in ("recv", "barrier"):
+            continue
+        axis = axis_of(e)
+        g = group_axis.get(axis, axis)
+        members = grid.ranks(g, rank) if g in grid.sizes else list(range(grid.world_size))
+        n = _wire(e, len(members), members.index(rank)) if wire else e.nbytes
+        out[axis] = out.get(axis, 0) + n
+    return out
+
+
+def _stage_layers(cfg, grid, stage: int) -> range:
+    sizes = balanced_sizes(cfg.layers, grid.pp)
+    return range(sum(sizes[:stage]), sum(sizes[:stage + 1]))
+
+
+def param_counts(cfg, grid, stage: int) -> tuple[int, int]:
+    """(dense, expert) parameter counts of one rank of pipeline stage ``stage`` (by formula)."""
+    d, f, tp = cfg.d_model, cfg.d_ff, grid.tp
+    layers = _stage_layers(cfg, grid, stage)
+    attn = 4 * d + (3 * d * d + 3 * d + d * d) // tp + d          # ln1, ln2, qkv/tp, proj.weight/tp, proj.bias
+    ffn_sharded, ffn_bias2 = (2 * d * f + f) // tp, d             # fc1 weight+bias and fc2 weight / tp, fc2.bias
+    dense = expert = 0
+    for i in layers:
+        dense += attn
+        if cfg.is_moe(i):
+            dense += cfg.num_experts * d                          # router
+            expert += cfg.num_experts // grid.ep * (ffn_sharded + ffn_bias2)
+        else:
+            dense += ffn_sharded + ffn_bias2
+    V = padded_vocab(cfg.vocab, tp) // tp * d
+    dense += (V + cfg.seq_len * d) * (stage == 0) + (V + 2 * d) * (stage == grid.pp - 1)
+    return dense, expert
+
+
+def expected_bytes(cfg, grid, coords: dict, batch_size: int, *, sequence_parallel: bool = False,
+                   expert_rows: int = 0, steps: int = 1, bytes_per_element: int = 8) -> dict[str, int]:
+    """Wire bytes per axis of one rank at ``coords`` over ``steps`` steps (module docstring formulas).
+
+    expert_rows: rows this rank's experts received over those steps (routing-dependent; read it
+    from the trace's ``compute`` events with ``what="experts"``).  Axes of size 1 are left out.
+    """
+    b, d, tp, cp, pp = bytes_per_element, cfg.d_model, grid.tp, grid.cp, grid.pp
+    T = batch_size // grid.dp * (cfg.seq_len // cp)
+    first, last = int(coords["pp"] == 0), int(coords["pp"] == pp - 1)
+    dense, expert = param_counts(cfg, grid, coords["pp"])
+    layers = _stage_layers(cfg, grid, coords["pp"])
+    L_moe = sum(cfg.is_moe(i) for i in layers)
+    L_s, L_dense = len(layers), len(layers) - L_moe
+    ar = lambda n, x: 2 * (n - 1) * x // n                       # noqa: E731  ring all-reduce
+    out = {}
+    if tp > 1:
+        if sequence_parallel:
+            p_sp = 6 * d * L_s + cfg.seq_len * d * first + 2 * d * last
+            out["tp"] = steps * ((tp - 1) * T * d * b * (8 * L_s + 2 * first + 2 * last) // tp
+                                 + ar(tp, b * (3 * T * last + p_sp)))
+        else:
+            out["tp"] = steps * ar(tp, b * (T * d * (first + 4 * L_dense + 2 * L_moe + last) + 3 * T * last)) \
+                + ar(tp, 2 * d * b * expert_rows)
+    if cp > 1:
+        out["cp"] = steps * 6 * (cp - 1) * T * (d // tp) * b * L_s
+    n = grid.dp * cp
+    if n > 1:
+        out["dp_cp"] = steps * ar(n, b * dense)
+        if expert:
+            out["edp"] = steps * ar(grid.edp, b * expert)
+    if pp > 1:
+        d_a = d // tp if sequence_parallel and tp > 1 else d
+        out["pp"] = steps * T * d_a * b * ((1 - last) + (1 - first))
+    return out

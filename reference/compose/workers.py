@@ -1,0 +1,124 @@
+"""Lecture 5c, part 3 — rank functions that train the tiny GPT on a grid (for ``run_world``, tests,
+the notebook and ``scripts/train_composed.py``).
+
+    >>> from reference.launch import run_world
+    >>> from reference.compose import workers
+    >>> res = run_world(workers.train_worker, 4, {"dp": 2, "tp": 2}, 3, layers=2, d_model=16, heads=2,
+    ...                 d_ff=32, seq_len=8)
+    >>> res.values[0]["losses"]          # = reference.gpt.train_single(3, layers=2, d_model=16, ...)
+    >>> res.values[0]["params"]          # every parameter, unsharded, by its single-process name
+
+Every rank builds the single-process TinyGPT from the seed exactly as :func:`reference.gpt.train_single`
+does (``torch.manual_seed(seed)``, float64), keeps its piece (:class:`.parallel_gpt.ParallelGPT`)
+and trains it with the same Adam on the same batches (:func:`reference.gpt.get_batch`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..gpt import GPTConfig, TinyGPT, corpus, encode, get_batch
+from .parallel_gpt import ParallelGPT, check_sizes, full_state_dict
+from .train import train_step
+
+__all__ = ["Adam", "build", "fit", "train_worker", "size_errors"]
+
+
+class Adam:
+    """``torch.optim.Adam(params, lr)``'s step on this rank's shards, bit for bit: the same update
+    function (``torch.optim.adam.adam``, the single-tensor path torch.optim.Adam takes on CPU) on
+    the same state.  Adam is elementwise, so Adam on every shard is Adam on the full model.
+
+    Why not torch.optim.Adam itself: constructing any torch.optim optimizer imports torch._dynamo,
+    about 3 s of CPU per process — more than a whole run of this tiny model when 8 ranks share 2
+    cores.  (``tests/test_compose_train.py`` checks both give equal parameters.)
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        from torch.optim.adam import adam
+        self._update, self.lr, self.betas, self.eps = adam, lr, betas, eps
+        self.params = list(params)
+        self.exp_avg = [torch.zeros_like(p) for p in self.params]
+        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        self.steps = [torch.tensor(0.0, dtype=scalar) for _ in self.params]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        live = [i for i, p in enumerate(self.params) if p.grad is not None]
+        pick = lambda xs: [xs[i] for i in live]                       # noqa: E731
+        self._update(pick(self.params), [self.params[i].grad for i in live], pick(self.exp_avg),
+                     pick(self.exp_avg_sq), [], pick(self.steps), foreach=False, amsgrad=False,
+                     beta1=self.betas[0], beta2=self.betas[1], lr=self.lr, weight_decay=0.0, eps=self.eps,
+                     maximize=False)
+
+
+def build(sizes: dict, *, batch_size: int = 4, seed: int = 0, sequence_parallel: bool = False,
+          num_microbatches: int = 1, dtype=torch.float64, device=None, text: str | None = None, **config):
+    """(model, data) on this rank: sizes checked first (ValueError on every rank, before any message),
+    then the single-process model from ``seed``, then this rank's piece of it (on ``device``)."""
+    data, alphabet = encode(text if text is not None else corpus())
+    cfg = GPTConfig(vocab=len(alphabet), **config)
+    grid = check_sizes(cfg, sizes, comm.world_size(), batch_size, sequence_parallel=sequence_parallel,
+                       num_microbatches=num_microbatches)
+    torch.manual_seed(seed)
+    gpt = TinyGPT(cfg).to(dtype)
+    return ParallelGPT(gpt, grid, sequence_parallel=sequence_parallel).to(device), data
+
+
+def fit(model: ParallelGPT, data: torch.Tensor, steps: int, *, batch_size: int = 4, lr: float = 3e-3,
+        seed: int = 0, schedule: str = "1f1b", num_microbatches: int = 1, on_step=None) -> list[float]:
+    """``steps`` steps of :class:`Adam` (lr) on the batches :func:`reference.gpt.train_single` uses; the loss
+    of each (the same on every rank).  ``on_step(step, loss)`` is called after each step."""
+    opt = Adam(model.parameters(), lr=lr)
+    device = next(model.parameters()).device
+    losses = []
+    for step in range(steps):
+        x, y = (t.to(device) for t in get_batch(data, step, batch_size, model.cfg.seq_len, seed))
+        losses.append(train_step(model, opt, x, y, schedule=schedule, num_microbatches=num_microbatches))
+        if on_step is not None:
+            on_step(step, losses[-1])
+    return losses
+
+
+def train_worker(sizes: dict, steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int = 0,
+                 sequence_parallel: bool = False, schedule: str = "1f1b", num_microbatches: int = 1,
+                 params: str = "rank0", **config) -> dict:
+    """Train on the grid ``sizes`` (e.g. ``{"dp": 2, "tp": 2}``) for ``steps`` steps; every rank runs it.
+
+    ``config``: GPTConfig fields, as for ``train_single``.  Returns {"losses": per step (equal on
+    every rank), "coords": this rank's grid coordinates, "params": {single-process name: full
+    tensor}}, "params" on rank 0 only by default (``params="all"``: on every rank, "none": nowhere).
+    The parameters are gathered after training (traced ``what="unshard"`` and raw events), outside
+    every axis's step bytes.
+    """
+    model, data = build(sizes, batch_size=batch_size, seed=seed, sequence_parallel=sequence_parallel,
+                        num_microbatches=num_microbatches, **config)
+    losses = fit(model, data, steps, batch_size=batch_size, lr=lr, seed=seed, schedule=schedule,
+                 num_microbatches=num_microbatches)
+    out = {"losses": losses, "coords": model.coords}
+    if params != "none":
+        full = full_state_dict(model)
+        if params == "all" or comm.rank() == 0:
+            out["params"] = full
+    return out
+
+
+def size_errors(cases: list[dict], **config) -> list[tuple[str, str]]:
+    """For each case ``{"sizes": …, "batch_size": …, …}``: (exception type, message) of building the
+    model, ("", "") if it builds.  Every rank runs every case: equal answers on every rank and no
+    communication event in the run's trace show the checks run everywhere, before any message."""
+    out = []
+    for case in cases:
+        case = dict(case)
+        sizes = case.pop("sizes")
+        try:
+            build(sizes, **case, **config)
+            out.append(("", ""))
+        except Exception as e:                    # noqa: BLE001 - reported back to the caller
+            out.append((type(e).__name__, str(e)))
+    return out

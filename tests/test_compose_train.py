@@ -1,0 +1,200 @@
+"""Lecture 5c: the tiny GPT trained on a rank grid reproduces one process, axis by axis and composed.
+
+Float64.  For every grid, the loss of each of 3 Adam steps (the same on every rank) equals
+``reference.gpt.train_single``'s to 1e-10, and every parameter after the last step, unsharded
+and compared by its single-process name, equals the single process's to 1e-10.  The bytes each
+rank moves per axis, read back from the trace, equal the formulas of ``reference.compose.train``
+exactly (tp, cp, dp_cp, edp, pp on every rank; the EP dispatch payload).
+
+Worlds are the session's kept-alive ones (tests/conftest.py): 2, 4 and 8 ranks, each started once.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from reference.compose import expected_bytes, measured_bytes, workers
+from reference.gpt import GPTConfig, TinyGPT, corpus, encode, train_single
+from reference.launch import WorldError
+from reference.mesh import RankGrid
+from reference.trace import COMM_OPS
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-10
+STEPS = 3
+BATCH = 4
+DENSE = dict(layers=2, d_model=16, heads=2, d_ff=32, seq_len=8)
+MOE = dict(DENSE, num_experts=4)                 # block 1 is MoE (moe_every=2), top-2, dropless
+
+
+@functools.lru_cache(maxsize=None)
+def truth(config: tuple) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """train_single's losses and final parameters for ``config`` (a sorted tuple of items)."""
+    _, alphabet = encode(corpus())
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=len(alphabet), **dict(config))).to(torch.float64)
+    losses = train_single(STEPS, batch_size=BATCH, model=model)
+    assert losses == train_single(STEPS, batch_size=BATCH, **dict(config))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_case(world, sizes: dict, config: dict, **kw):
+    n = 1
+    for a in ("tp", "cp", "dp", "pp"):
+        n *= sizes.get(a, 1)
+    return world(n).run(workers.train_worker, sizes, STEPS, batch_size=BATCH, **kw, **config)
+
+
+def assert_same_training(res, config: dict) -> None:
+    losses, params = truth(tuple(sorted(config.items())))
+    got = res.values[0]["losses"]
+    assert all(v["losses"] == got for v in res.values), "the loss must be the same on every rank"
+    assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, losses)) <= TOL, (got, losses)
+    full = res.values[0]["params"]
+    assert set(full) == set(params)
+    for name, p in params.items():
+        assert full[name].shape == p.shape, name
+        assert (full[name] - p).abs().max().item() <= TOL, name
+
+
+def expert_rows(trace, rank: int) -> int:
+    return sum(sum(e.meta["tokens_per_expert"]) for e in trace.filter(op="compute", rank=rank)
+               if e.meta.get("what") == "experts")
+
+
+def assert_bytes(res, sizes: dict, config: dict, *, sequence_parallel: bool = False) -> dict:
+    """Measured wire bytes per axis == the formulas, on every rank; returns rank 0's."""
+    grid = RankGrid(len(res.values), **sizes)
+    cfg = GPTConfig(vocab=len(encode(corpus())[1]), **config)
+    first = None
+    for r, v in enumerate(res.values):
+        want = expected_bytes(cfg, grid, v["coords"], BATCH, sequence_parallel=sequence_parallel,
+                              expert_rows=expert_rows(res.trace, r), steps=STEPS)
+        got = measured_bytes(res.trace, r, grid)
+        for axis, size in grid.sizes.items():       # an axis in use moves bytes, one not in use none
+            if axis in ("tp", "cp", "pp", "dp_cp") and size > 1:
+                assert want.get(axis, 0) > 0 and got.get(axis, 0) > 0, (axis, want, got)
+            if axis in ("tp", "cp", "pp") and size == 1:
+                assert axis not in want and axis not in got, (axis, got)
+        assert {a: got.get(a) for a in want} == want, f"rank {r}: measured {got}, formula {want}"
+        assert set(got) - set(want) <= {"ep", "aux", "report", "unshard", "other"}, got
+        first = first or got
+    return first
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss curves and final parameters equal one process; bytes per axis equal the formulas
+
+CASES = [
+    # 1D, 2 ranks
+    ("dp", {"dp": 2}, DENSE, {}),
+    ("tp", {"tp": 2}, DENSE, {}),
+    ("tp+sp", {"tp": 2}, DENSE, {"sequence_parallel": True}),
+    ("cp", {"cp": 2}, DENSE, {}),
+    ("ep", {"dp": 2, "ep": 2}, MOE, {}),
+    ("pp zb_h1", {"pp": 2}, DENSE, {"num_microbatches": 4, "schedule": "zb_h1"}),
+    # 2D, 4 ranks
+    ("dp×tp", {"dp": 2, "tp": 2}, DENSE, {}),
+    ("cp×tp+sp", {"cp": 2, "tp": 2}, DENSE, {"sequence_parallel": True}),
+    ("dp×ep", {"dp": 4, "ep": 2}, MOE, {}),
+    ("tp×pp+sp gpipe", {"tp": 2, "pp": 2}, DENSE, {"sequence_parallel": True, "num_microbatches": 2,
+                                                   "schedule": "gpipe"}),
+    # 3D, 8 ranks
+    ("dp×tp×cp", {"dp": 2, "tp": 2, "cp": 2}, DENSE, {}),
+    ("dp×tp×ep", {"dp": 4, "tp": 2, "ep": 2}, MOE, {}),
+    ("dp×tp×pp 1f1b", {"dp": 2, "tp": 2, "pp": 2}, DENSE, {"num_microbatches": 2}),
+]
+
+
+@pytest.mark.parametrize("name,sizes,config,kw", CASES, ids=[c[0] for c in CASES])
+def test_composed_training_equals_one_process(world, name, sizes, config, kw):
+    res = run_case(world, sizes, config, **kw)
+    assert_same_training(res, config)
+    got = assert_bytes(res, sizes, config, sequence_parallel=kw.get("sequence_parallel", False))
+    if config.get("num_experts"):
+        # EP: every MoE layer's dispatch hands k·T token rows of d numbers to the all-to-all, and
+        # the gradient comes back the same way, whatever the routing.
+        T = BATCH // sizes.get("dp", 1) * config["seq_len"] // sizes.get("cp", 1)
+        for what in ("dispatch", "combine.backward"):
+            ev = res.trace.filter(op="all_to_all", rank=0, what=what)
+            k = config.get("top_k", GPTConfig.top_k)
+            assert len(ev) == STEPS and all(e.nbytes == k * T * config["d_model"] * 8 for e in ev), what
+        assert (got.get("ep", 0) > 0) == (sizes.get("ep", 1) > 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizes that do not fit: ValueError on every rank, before any message
+
+
+BAD = [
+    ({"sizes": {"tp": 2}, "heads": 1}, "ValueError", "heads"),                     # tp does not divide heads
+    ({"sizes": {"tp": 2, "dp": 2}}, "ValueError", "world_size"),                    # 4 ≠ 2 ranks
+    ({"sizes": {"cp": 2}, "seq_len": 6}, "ValueError", "zigzag"),                   # 6 is not a multiple of 2·cp
+    ({"sizes": {"dp": 2}, "batch_size": 3}, "ValueError", "batch"),
+    ({"sizes": {"dp": 2, "ep": 2}, "num_experts": 3}, "ValueError", "num_experts"),
+    ({"sizes": {"ep": 2, "dp": 2}}, "ValueError", "MoE"),                           # ep without experts
+    ({"sizes": {"pp": 2}, "num_experts": 4}, "NotImplementedError", "pp > 1"),
+]
+
+
+def test_bad_sizes_raise_on_every_rank_before_any_message(world):
+    cases = [dict(DENSE, **case) for case, _, _ in BAD]
+    res = world(2).run(workers.size_errors, cases)
+    assert res.values[0] == res.values[1]
+    for (kind, message), (_, want, word) in zip(res.values[0], BAD):
+        assert kind == want and word in message, (kind, message)
+    assert not [e for e in res.trace if e.op in COMM_OPS]
+
+
+def test_a_bad_grid_fails_the_world_with_value_errors_only(world):
+    """The worker itself (not a wrapper): run_world's WorldError names every rank, each a ValueError."""
+    with pytest.raises(WorldError) as info:
+        world(2).run(workers.train_worker, {"tp": 2}, STEPS, **dict(DENSE, heads=1))
+    err = info.value
+    assert err.kind == "exception" and err.ranks == [0, 1]
+    assert all(f.exc_type == "ValueError" and "heads" in f.message for f in err.failures.values()), err
+    assert not [e for e in err.trace if e.op in COMM_OPS]
+
+
+def test_the_ranks_adam_is_torch_adam_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    ours = [torch.randn(5, 3, generator=g, dtype=torch.float64) for _ in range(3)]
+    theirs = [t.clone() for t in ours]
+    a, b = workers.Adam(ours, lr=3e-3), torch.optim.Adam(theirs, lr=3e-3)
+    for step in range(4):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64) * 10.0 ** -(3 * step)
+            q.grad = p.grad.clone()
+        ours[1].grad = theirs[1].grad = None if step == 2 else ours[1].grad   # a step without a gradient
+        a.step()
+        b.step()
+        a.zero_grad()
+        b.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
+    assert all(p.grad is None for p in ours)
+
+
+# ----------------------------------------------------------------------------------------------
+# The same code under torchrun
+
+
+def test_torchrun_script_prints_the_single_process_losses(tmp_path):
+    config = dict(DENSE, num_experts=4)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "scripts" / "train_composed.py"), "--cp", "2", "--ep", "2", "--steps", str(STEPS),
+           "--layers", "2", "--d-model", "16", "--heads", "2", "--d-ff", "32", "--seq-len", "8", "--experts", "4",
+           "--timeout", "30"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("step ")]
+    assert [int(ln[1]) for ln in lines] == list(range(STEPS)), proc.stdout
+    losses, _ = truth(tuple(sorted(config.items())))
+    assert max(abs(float(ln[3]) - b) for ln, b in zip(lines, losses)) <= TOL, (lines, losses)
+    assert "RankGrid(2, tp=1, cp=2, dp=1, pp=1, ep=2)" in proc.stdout
