@@ -33,7 +33,7 @@ from torch import nn
 from .moe import MoELayer
 
 __all__ = ["GPTConfig", "Attention", "MLP", "MoEMLP", "Block", "TinyGPT", "corpus", "encode", "get_batch",
-           "train_single"]
+           "train_single", "batch_grads"]
 
 
 # ---------------------------------------------------------------------------------- data
@@ -202,24 +202,63 @@ class TinyGPT(nn.Module):
 # ---------------------------------------------------------------------------------- training
 
 def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int = 0, dtype=torch.float64,
-                 model: TinyGPT | None = None, text: str | None = None, **config) -> list[float]:
+                 model: TinyGPT | None = None, text: str | None = None, microbatches: int = 1, dp: int = 1,
+                 **config) -> list[float]:
     """Train the tiny GPT on one process with Adam; return the loss of every step.
 
     ``config`` overrides :class:`GPTConfig` fields (e.g. ``layers=2, num_experts=4``).  Parameters
     are initialised with ``torch.manual_seed(seed)``; batches come from :func:`get_batch`.  Pass
     ``model`` to keep training one (it is trained in place).
+
+    ``microbatches`` m > 1 (with ``dp``): accumulate each step's gradient over the m micro-batches
+    a pipeline on dp replicas runs — micro-batch i = rows i·b/m … (i+1)·b/m − 1 of each replica's
+    b = B/dp rows — with loss = Σ_i loss_i / m.  The same cross-entropy (up to rounding); the MoE
+    aux loss becomes the mean over micro-batches of each one's aux loss, as Megatron's pipeline
+    computes it (routing group = one micro-batch's tokens).
     """
     data, alphabet = encode(text if text is not None else corpus())
     if model is None:
         torch.manual_seed(seed)
         model = TinyGPT(GPTConfig(vocab=len(alphabet), **config)).to(dtype)
+    groups = None
+    if microbatches > 1:
+        if batch_size % dp or (batch_size // dp) % microbatches:
+            raise ValueError(f"{microbatches} micro-batches on dp={dp} replicas must divide each replica's "
+                             f"{batch_size}/{dp} rows")
+        b, n = batch_size // dp, batch_size // dp // microbatches
+        groups = [torch.cat([torch.arange(r * b + i * n, r * b + (i + 1) * n) for r in range(dp)])
+                  for i in range(microbatches)]
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
         x, y = get_batch(data, step, batch_size, model.cfg.seq_len, seed)
+        if groups is not None:
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for rows in groups:
+                loss = model.loss(x[rows], y[rows]) / microbatches
+                loss.backward()
+                total += loss.item()
+            opt.step()
+            losses.append(total)
+            continue
         loss = model.loss(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def batch_grads(step: int = 0, *, batch_size: int = 4, seed: int = 0, dtype=torch.float64, text: str | None = None,
+                **config) -> dict[str, torch.Tensor]:
+    """The gradient of step ``step``'s batch loss at initialisation, by parameter name (zeros for a
+    parameter the batch does not reach, e.g. an expert no token chose): what every composed run's
+    synchronised gradients must put back together (exercise 5c.2)."""
+    data, alphabet = encode(text if text is not None else corpus())
+    torch.manual_seed(seed)
+    model = TinyGPT(GPTConfig(vocab=len(alphabet), **config)).to(dtype)
+    x, y = get_batch(data, step, batch_size, model.cfg.seq_len, seed)
+    model.loss(x, y).backward()
+    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+            for n, p in model.named_parameters()}

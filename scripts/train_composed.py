@@ -3,13 +3,17 @@
     torchrun --standalone --nproc-per-node 4 scripts/train_composed.py --tp 2 --dp 2 --steps 5
     torchrun --standalone --nproc-per-node 8 scripts/train_composed.py --dp 2 --tp 2 --pp 2 --microbatches 2
     torchrun --standalone --nproc-per-node 4 scripts/train_composed.py --dp 4 --ep 2 --experts 4
+    torchrun --standalone --nproc-per-node 8 scripts/train_composed.py --dp 2 --tp 2 --pp 2 --ep 2 --experts 4
     python scripts/train_composed.py --single --steps 5          # the single-process ground truth
+    python scripts/train_composed.py --single --pp 2 --dp 2 --experts 4   # its truth (aux per micro-batch)
 
 The product tp·cp·dp·pp must equal the number of processes (ep is carved out of dp·cp).  gloo on
 CPU, nccl when CUDA is available (``--backend`` to choose); the process group is initialised from
 the environment torchrun sets (env://) with ``--timeout`` seconds, and every subgroup gets the same
 timeout.  Rank 0 prints ``step <i> loss <value>`` per step (17 significant digits: the losses
-equal ``reference.gpt.train_single``'s to ~1e-15) — ``--single`` prints those.
+equal ``reference.gpt.train_single``'s to ~1e-15) — ``--single`` prints those.  With MoE layers
+and pp > 1 each micro-batch has its own aux loss: ``--single`` then accumulates over the same
+micro-batches (give it the run's --pp, --dp and --microbatches).
 """
 from __future__ import annotations
 
@@ -52,10 +56,12 @@ def main(argv=None) -> None:
     import torch
     config = dict(layers=args.layers, d_model=args.d_model, heads=args.heads, d_ff=args.d_ff,
                   seq_len=args.seq_len, num_experts=args.experts, top_k=args.top_k)
+    m = args.microbatches or args.pp
     if args.single:
         from reference.gpt import train_single
+        same_microbatches = dict(microbatches=m, dp=args.dp) if args.experts and args.pp > 1 else {}
         for step, loss in enumerate(train_single(args.steps, batch_size=args.batch_size, lr=args.lr,
-                                                 seed=args.seed, **config)):
+                                                 seed=args.seed, **same_microbatches, **config)):
             print(f"step {step} loss {loss:.17g}", flush=True)
         return
 
@@ -72,14 +78,13 @@ def main(argv=None) -> None:
         torch.cuda.set_device(device)
     try:
         sizes = {a: getattr(args, a) for a in ("tp", "cp", "dp", "pp", "ep")}
-        m = args.microbatches or args.pp
         model, data = workers.build(sizes, batch_size=args.batch_size, seed=args.seed, sequence_parallel=args.sp,
                                     num_microbatches=m, device=device, **config)
         if dist.get_rank() == 0:
             print(f"{model.grid!r} on {backend}: {dist.get_world_size()} processes", flush=True)
         report = (lambda step, loss: print(f"step {step} loss {loss:.17g}", flush=True)) if dist.get_rank() == 0 else None
         workers.fit(model, data, args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                      schedule=args.schedule, num_microbatches=m, on_step=report)
+                    schedule=args.schedule, num_microbatches=m, on_step=report)
     finally:
         dist.destroy_process_group()
 

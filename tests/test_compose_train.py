@@ -2,7 +2,9 @@
 
 Float64.  For every grid, the loss of each of 3 Adam steps (the same on every rank) equals
 ``reference.gpt.train_single``'s to 1e-10, and every parameter after the last step, unsharded
-and compared by its single-process name, equals the single process's to 1e-10.  The bytes each
+and compared by its single-process name, equals the single process's to 1e-10.  (MoE layers in
+a pipeline of m > 1 micro-batches: one aux loss per micro-batch, so the truth is
+``train_single(…, microbatches=m, dp=dp)``, which accumulates over the same micro-batches.)  The bytes each
 rank moves per axis, read back from the trace, equal the formulas of ``reference.compose.train``
 exactly (tp, cp, dp_cp, edp, pp on every rank; the EP dispatch payload).
 
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 from reference.compose import expected_bytes, measured_bytes, workers
+from reference.pipeline import balanced_sizes
 from reference.gpt import GPTConfig, TinyGPT, corpus, encode, train_single
 from reference.launch import WorldError
 from reference.mesh import RankGrid
@@ -31,17 +34,26 @@ STEPS = 3
 BATCH = 4
 DENSE = dict(layers=2, d_model=16, heads=2, d_ff=32, seq_len=8)
 MOE = dict(DENSE, num_experts=4)                 # block 1 is MoE (moe_every=2), top-2, dropless
+MOE_ALL = dict(MOE, moe_every=1)                 # both blocks MoE: with pp=2, one on each stage
 
 
 @functools.lru_cache(maxsize=None)
-def truth(config: tuple) -> tuple[list[float], dict[str, torch.Tensor]]:
+def truth(config: tuple, microbatches: int = 1, dp: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
     """train_single's losses and final parameters for ``config`` (a sorted tuple of items)."""
     _, alphabet = encode(corpus())
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab=len(alphabet), **dict(config))).to(torch.float64)
-    losses = train_single(STEPS, batch_size=BATCH, model=model)
-    assert losses == train_single(STEPS, batch_size=BATCH, **dict(config))
+    kw = dict(microbatches=microbatches, dp=dp) if microbatches > 1 else {}
+    losses = train_single(STEPS, batch_size=BATCH, model=model, **kw)
+    assert losses == train_single(STEPS, batch_size=BATCH, **kw, **dict(config))
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def truth_microbatches(sizes: dict, config: dict, kw: dict) -> dict:
+    """MoE layers in a pipeline: the truth accumulates over the same micro-batches (one aux loss each)."""
+    if config.get("num_experts") and sizes.get("pp", 1) > 1:
+        return dict(microbatches=kw.get("num_microbatches", 1), dp=sizes.get("dp", 1))
+    return {}
 
 
 def run_case(world, sizes: dict, config: dict, **kw):
@@ -51,8 +63,8 @@ def run_case(world, sizes: dict, config: dict, **kw):
     return world(n).run(workers.train_worker, sizes, STEPS, batch_size=BATCH, **kw, **config)
 
 
-def assert_same_training(res, config: dict) -> None:
-    losses, params = truth(tuple(sorted(config.items())))
+def assert_same_training(res, config: dict, **truth_kw) -> None:
+    losses, params = truth(tuple(sorted(config.items())), **truth_kw)
     got = res.values[0]["losses"]
     assert all(v["losses"] == got for v in res.values), "the loss must be the same on every rank"
     assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, losses)) <= TOL, (got, losses)
@@ -109,23 +121,35 @@ CASES = [
     ("dp×tp×cp", {"dp": 2, "tp": 2, "cp": 2}, DENSE, {}),
     ("dp×tp×ep", {"dp": 4, "tp": 2, "ep": 2}, MOE, {}),
     ("dp×tp×pp 1f1b", {"dp": 2, "tp": 2, "pp": 2}, DENSE, {"num_microbatches": 2}),
+    # MoE in a pipeline: each stage back-propagates its own aux loss (AuxLossAutoScaler)
+    ("pp×ep gpipe", {"pp": 2, "dp": 2, "ep": 2}, MOE_ALL, {"schedule": "gpipe"}),          # 4 ranks, m = 1
+    ("pp×ep zb_h1", {"pp": 2, "dp": 2, "ep": 2}, MOE_ALL, {"num_microbatches": 2, "schedule": "zb_h1"}),
+    # 4D, 8 ranks
+    ("dp×tp×pp×ep 1f1b", {"dp": 2, "tp": 2, "pp": 2, "ep": 2}, MOE_ALL, {"num_microbatches": 2}),
+    ("dp×tp×cp×ep", {"dp": 2, "tp": 2, "cp": 2, "ep": 2}, MOE, {}),
 ]
 
 
 @pytest.mark.parametrize("name,sizes,config,kw", CASES, ids=[c[0] for c in CASES])
 def test_composed_training_equals_one_process(world, name, sizes, config, kw):
     res = run_case(world, sizes, config, **kw)
-    assert_same_training(res, config)
-    got = assert_bytes(res, sizes, config, sequence_parallel=kw.get("sequence_parallel", False))
+    assert_same_training(res, config, **truth_microbatches(sizes, config, kw))
+    assert_bytes(res, sizes, config, sequence_parallel=kw.get("sequence_parallel", False))
     if config.get("num_experts"):
-        # EP: every MoE layer's dispatch hands k·T token rows of d numbers to the all-to-all, and
-        # the gradient comes back the same way, whatever the routing.
-        T = BATCH // sizes.get("dp", 1) * config["seq_len"] // sizes.get("cp", 1)
-        for what in ("dispatch", "combine.backward"):
-            ev = res.trace.filter(op="all_to_all", rank=0, what=what)
-            k = config.get("top_k", GPTConfig.top_k)
-            assert len(ev) == STEPS and all(e.nbytes == k * T * config["d_model"] * 8 for e in ev), what
-        assert (got.get("ep", 0) > 0) == (sizes.get("ep", 1) > 1)
+        # EP: every MoE layer's dispatch hands k·T/m token rows of d numbers to the all-to-all per
+        # micro-batch, and the gradient comes back the same way, whatever the routing.
+        grid, cfg = RankGrid(len(res.values), **sizes), GPTConfig(vocab=len(encode(corpus())[1]), **config)
+        m, k = kw.get("num_microbatches", 1), cfg.top_k
+        T = BATCH // grid.dp * cfg.seq_len // grid.cp
+        for r, v in enumerate(res.values):
+            sizes_pp, stage = balanced_sizes(cfg.layers, grid.pp), v["coords"]["pp"]
+            moe_here = sum(cfg.is_moe(i) for i in range(sum(sizes_pp[:stage]), sum(sizes_pp[:stage + 1])))
+            for what in ("dispatch", "combine.backward"):
+                ev = res.trace.filter(op="all_to_all", rank=r, what=what)
+                assert len(ev) == STEPS * m * moe_here, (r, what, len(ev))
+                assert all(e.nbytes == k * T // m * cfg.d_model * 8 for e in ev), (r, what)
+            if moe_here:
+                assert (measured_bytes(res.trace, r, grid).get("ep", 0) > 0) == (grid.ep > 1), r
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,7 +163,8 @@ BAD = [
     ({"sizes": {"dp": 2}, "batch_size": 3}, "ValueError", "batch"),
     ({"sizes": {"dp": 2, "ep": 2}, "num_experts": 3}, "ValueError", "num_experts"),
     ({"sizes": {"ep": 2, "dp": 2}}, "ValueError", "MoE"),                           # ep without experts
-    ({"sizes": {"pp": 2}, "num_experts": 4}, "NotImplementedError", "pp > 1"),
+    ({"sizes": {"tp": 2}, "num_experts": 4, "sequence_parallel": True}, "NotImplementedError", "MoE"),
+    ({"sizes": {"pp": 2}, "num_experts": 4, "num_microbatches": 3}, "ValueError", "micro-batches"),
 ]
 
 

@@ -14,7 +14,9 @@ axis is the lecture's own, composed.
     ep    experts e ∈ [r·E/ep, (r+1)·E/ep) of each MoE layer  moe.ExpertParallelMoE (dropless all-to-all),
           (each expert itself cut over tp like the MLP)       its experts as tensor.ParallelMLP
     pp    blocks of my stage (contiguous, balanced), the      pipeline.balanced_sizes (the executor
-          embedding on the first, ln_f + head on the last     runs them: compose.train)
+          embedding on the first, ln_f + head on the last     runs them: compose.train); a MoE layer's
+                                                              aux loss enters backward on its own stage
+                                                              (AuxLossAutoScaler, below)
     dp    nothing: a full replica of the above (its rows of the batch come in compose.train)
 
 Activations are (S, B, d), sequence first as in Megatron, so sequence parallelism can cut dim 0.
@@ -41,6 +43,16 @@ On 8 ranks, tp = cp = dp = 2 (rank = tp + 2·(cp + 2·dp), reference.mesh)::
                                         quarters of the batch (2 sequences × 2 halves), so rank 0's
                                         qkv shard steps with the mean of these four gradients
 
+The MoE aux loss with pp > 1.  One process minimises L = CE + α·(1/N_moe)·Σ_l aux_l over the
+model's N_moe MoE layers, but a stage's aux losses never reach the last stage, where the
+executor back-propagates CE/m per micro-batch.  As Megatron-Core does (``MoEAuxLossAutoScaler``),
+each MoE layer returns its output through :class:`AuxLossAutoScaler`: unchanged forward, and in
+backward it also gives its aux loss the gradient ∂L/∂aux_l = α/N_moe/m, so every stage
+back-propagates its own aux losses with the weight the single-process loss gives them, and no
+extra message is sent.  With m micro-batches each aux loss is that of one micro-batch's tokens
+(over dp_cp), as in Megatron; the ground truth is then ``train_single(…, microbatches=m, dp=dp)``.
+With pp = 1, ``loss_fn`` adds α × the mean aux loss itself, as TinyGPT.loss does.
+
 The vocabulary (27 characters) rarely divides by tp: as Megatron does, it is padded to a multiple
 of tp with zero rows; the padded logits are set to −∞ before the loss, so the loss, every
 gradient and the Adam step are exactly those of the unpadded model (the padded rows get zero
@@ -66,7 +78,7 @@ from ..tensor import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, 
                       vocab_parallel_cross_entropy)
 
 __all__ = ["check_sizes", "padded_vocab", "ParallelGPT", "ContextParallelAttention", "ExpertParallelMLP",
-           "full_state_dict", "SIZE_KEYS"]
+           "AuxLossAutoScaler", "full_state_dict", "SIZE_KEYS"]
 
 SIZE_KEYS = ("dp", "tp", "pp", "cp", "ep")
 
@@ -80,8 +92,8 @@ def check_sizes(cfg: GPTConfig, sizes: dict, world_size: int, batch_size: int, *
     """The :class:`RankGrid` of ``sizes`` for ``cfg``, or ValueError naming the size that does not fit.
 
     Pure arithmetic on arguments every rank has, so every rank raises the same error before any
-    message (a rank that raised alone would leave its peers waiting in a collective).  PP with MoE
-    layers, and sequence parallelism with MoE layers, raise NotImplementedError.
+    message (a rank that raised alone would leave its peers waiting in a collective).  Sequence
+    parallelism with MoE layers raises NotImplementedError.
     """
     unknown = set(sizes) - set(SIZE_KEYS)
     if unknown:
@@ -110,9 +122,6 @@ def check_sizes(cfg: GPTConfig, sizes: dict, world_size: int, batch_size: int, *
     if sequence_parallel and tp > 1 and (cfg.seq_len // cp) % tp:
         raise ValueError(f"sequence parallelism cuts each rank's {cfg.seq_len // cp} tokens over tp={tp}")
     moe = any(cfg.is_moe(i) for i in range(cfg.layers))
-    if moe and pp > 1:
-        raise NotImplementedError("pp > 1 with MoE layers: each stage's aux losses would have to reach the last "
-                                  "stage's loss, and micro-batches change the aux loss's routing group")
     if moe and sequence_parallel and tp > 1:
         raise NotImplementedError("sequence parallelism with MoE layers (each tp rank would route other tokens)")
     return grid
@@ -158,11 +167,34 @@ class ContextParallelAttention(nn.Module):
         return self.proj(out.permute(2, 0, 1, 3).reshape(S, B, -1))
 
 
+class AuxLossAutoScaler(torch.autograd.Function):
+    """``AuxLossAutoScaler.apply(y, aux, scale)``: y unchanged forward; backward passes y's gradient
+    through and also gives ``aux`` the gradient ``scale`` (= ∂L/∂aux), so the aux loss is back-
+    propagated on the stage that computed it (Megatron-Core's ``MoEAuxLossAutoScaler``)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad_y, torch.full_like(aux, ctx.scale), None
+
+
 class ExpertParallelMLP(nn.Module):
     """TinyGPT's MoE layer over (ep, tp): :class:`reference.moe.ExpertParallelMoE` over the ep
     group (dropless), each local expert cut over tp as a :class:`reference.tensor.ParallelMLP`
-    (Megatron's default: expert tensor parallel size = tp).  The load-balancing loss is the whole
-    global batch's (``aux_group`` = dp_cp), as one process computes it over all B·S tokens."""
+    (Megatron's default: expert tensor parallel size = tp).  The load-balancing loss is that of
+    all the dp_cp ranks' tokens (``aux_group`` = dp_cp), as one process computes it over all B·S
+    tokens (of one micro-batch with pp > 1).
+
+    ``aux_scale`` None (pp = 1): ``aux_loss`` is left for ``loss_fn``.  A number (pp > 1): the
+    output goes through :class:`AuxLossAutoScaler` with that ∂L/∂aux, and ``aux_weighted``
+    accumulates aux_scale · aux (the aux's share of the reported loss) over the step's micro-batches.
+    """
 
     def __init__(self, moe_mlp: MoEMLP, tp_group, ep_group, aux_group, *, name: str = "mlp"):
         super().__init__()
@@ -172,11 +204,16 @@ class ExpertParallelMLP(nn.Module):
             ParallelMLP.from_module(SimpleNamespace(fc1=e[0], fc2=e[2]), tp_group, name=f"{name}.experts.{first + j}")
             for j, e in enumerate(self.moe.experts))
         self.aux_loss = None
+        self.aux_scale: float | None = None
+        self.aux_weighted = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         S, B, d = x.shape
         y, stats = self.moe(x.reshape(S * B, d))
         self.aux_loss = stats["aux_loss"]
+        if self.aux_scale is not None:
+            y = AuxLossAutoScaler.apply(y, self.aux_loss, self.aux_scale)
+            self.aux_weighted += self.aux_scale * float(self.aux_loss.detach())
         return y.view(S, B, d)
 
 
@@ -222,7 +259,8 @@ class ParallelGPT(nn.Module):
     ``forward(x)`` is the stage's forward: token ids (B, S_l) on the first stage (this rank's rows
     and zigzag columns), the previous stage's activation (S_l, B, d) otherwise; it returns the
     activation, or the logits (S_l, B, V_pad/tp) on the last stage.  ``loss_fn(logits, targets)``
-    is TinyGPT's loss on those tokens (the same value on every tp rank); with one stage
+    is TinyGPT's loss on those tokens (the same value on every tp rank; with pp > 1 the cross-
+    entropy alone, the aux losses go through :class:`AuxLossAutoScaler`); with one stage
     ``loss(idx, targets)`` chains both.  ``shards`` maps every single-process parameter name this
     rank holds to its :class:`Shard`.  Must be built on every rank (it creates the grid's groups).
     """
@@ -241,6 +279,9 @@ class ParallelGPT(nn.Module):
         self.is_first, self.is_last = me["pp"] == 0, me["pp"] == grid.pp - 1
         self.blocks = nn.ModuleList(ComposedBlock(gpt.blocks[i], i, self.groups, self.sequence_parallel)
                                     for i in self.layer_ids)
+        self.moe_layers = [b.mlp for b in self.blocks if isinstance(b.mlp, ExpertParallelMLP)]   # this stage's
+        self.num_moe = sum(cfg.is_moe(i) for i in range(cfg.layers))                          # the whole model's
+        self.scale_aux_losses(1)
         tp, sp, Vp = self.groups["tp"], self.sequence_parallel, self.vocab_padded
         self.shards: dict[str, Shard] = {}
         if self.is_first:
@@ -325,13 +366,28 @@ class ParallelGPT(nn.Module):
             x = block(x)
         return self.logits(x) if self.is_last else x
 
+    def scale_aux_losses(self, num_microbatches: int) -> None:
+        """Before a step (and at construction, m = 1).  pp > 1: every MoE layer of this stage gets
+        ∂L/∂aux = aux_loss_coef / N_moe / m (its weight in the single-process loss, per micro-batch)
+        and its reported share is reset.  pp = 1: nothing (``loss_fn`` adds the aux losses)."""
+        for mlp in self.moe_layers:
+            mlp.aux_scale = self.cfg.aux_loss_coef / self.num_moe / num_microbatches if self.grid.pp > 1 else None
+            mlp.aux_weighted = 0.0
+
+    def aux_share(self) -> float:
+        """pp > 1: Σ over this stage's MoE layers and the step's micro-batches of aux_scale · aux, this
+        stage's part of the reported loss (the last stage's loss holds the cross-entropy only); 0 with pp = 1."""
+        return sum(mlp.aux_weighted for mlp in self.moe_layers)
+
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of these tokens (targets (B, S_l)) + aux_loss_coef × mean MoE aux loss."""
+        """Mean cross-entropy of these tokens (targets (B, S_l)), + aux_loss_coef × mean MoE aux loss
+        when this stage holds every MoE layer (pp = 1; with pp > 1 :class:`AuxLossAutoScaler` does it)."""
         per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.t().reshape(-1),
                                                  self.groups["tp"])
         lm = per_token.mean()
-        aux = [b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, ExpertParallelMLP)]
-        return lm + self.cfg.aux_loss_coef * torch.stack(aux).mean() if aux else lm
+        if self.grid.pp > 1 or not self.moe_layers:
+            return lm
+        return lm + self.cfg.aux_loss_coef * torch.stack([mlp.aux_loss for mlp in self.moe_layers]).mean()
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not (self.is_first and self.is_last):

@@ -8,7 +8,9 @@ The step, on every rank (``train_step``)::
       ▼
     forward + backward                  pp = 1: model.loss(x, y).backward()
                                         pp > 1: reference.pipeline.run_pipeline (GPipe, 1F1B or ZB-H1,
-                                                m micro-batches, loss = mean over the whole batch)
+                                                m micro-batches, loss = mean over the whole batch);
+                                                each MoE layer's aux loss enters backward on its own
+                                                stage with weight α/N_moe/m (AuxLossAutoScaler)
       ▼
     gradient synchronisation            1. sequence parallelism: Σ over tp of the LayerNorm /
                                            row-bias / pos_emb grads (tensor.sync_sequence_parallel_grads)
@@ -17,7 +19,8 @@ The step, on every rank (``train_step``)::
       ▼
     Adam step on my shards              elementwise, so sharded Adam = full Adam
       ▼
-    loss of the whole batch             one all-reduce of one number (``what="loss"``)
+    loss of the whole batch             one all-reduce of one number (``what="loss"``): the last
+                                        stage's cross-entropy (+ aux, pp = 1), + each stage's aux share
 
 Why dp_cp and not dp.  Every rank's loss is the mean over ITS tokens: B/dp sequences × S/cp
 positions.  The objective is the mean over all of them, L = (1/(dp·cp)) Σ_r L_r, so every
@@ -46,7 +49,8 @@ its input, all-gather (n−1)× the shard, reduce-scatter (n−1)/n of the input
     dp_cp         2(n−1)/n · b · P_dense         n = dp·cp, P_dense = dense parameters on this rank
     edp           2(n−1)/n · b · P_expert        n = dp·cp/ep, P_expert = expert parameters on this rank
     pp            T·d_a·b · ([not last] + [not first]),  d_a = d (d/tp with sequence parallelism):
-                  each micro-batch's activation forward and its gradient back
+                  each micro-batch's activation forward and its gradient back (the aux losses
+                  stay on their stage: nothing more)
     ep            payload per MoE layer: the dispatch and combine.backward all-to-alls hand in k·T·d·b
                   each (routing-independent), combine and dispatch.backward R·d·b each, plus E counts
                   and a 3-number input check; what leaves the rank depends on the routing
@@ -64,6 +68,7 @@ from ..pipeline import balanced_sizes, run_pipeline
 from ..sequence import shard_sequence
 from ..tensor import sync_sequence_parallel_grads
 from ..trace import COMM_OPS
+from .estimate import step_bytes
 from .parallel_gpt import ParallelGPT, padded_vocab
 
 __all__ = ["local_batch", "sync_gradients", "train_step", "global_loss", "axis_of", "measured_bytes",
@@ -81,7 +86,22 @@ def local_batch(x: torch.Tensor, y: torch.Tensor, model: ParallelGPT) -> tuple[t
 
 
 def sync_gradients(model: ParallelGPT) -> None:
-    """Make every rank's ``.grad`` the gradient of the whole batch's loss (see the module docstring)."""
+    """Make every rank's ``.grad`` the gradient of the whole batch's loss, in place (exercise 5c.2).
+
+    After ``backward`` each rank holds the gradient of ITS loss L_r: the mean over its B/dp
+    sequences × S/cp positions, computed with its shards.  The step needs the gradient of
+    L = (1/(dp·cp)) Σ_r L_r.  What ``model`` offers (a :class:`ParallelGPT`, or anything with these)::
+
+        model.dense_params()               parameters that are not an expert's
+        model.expert_params()              this rank's experts (lecture 5b; empty for a dense model)
+        model.sequence_parallel_params()   replicated over tp but fed only S/tp rows each under
+                                           sequence parallelism (empty without it); also in dense_params()
+        model.groups[axis]                 this rank's process group on "tp", "cp", "dp_cp", "pp",
+                                           and with experts "ep", "edp"
+        model.grid                         the RankGrid (model.grid.dp, .cp, .tp, .ep, .edp, …)
+
+    Parameters whose ``.grad`` is None are skipped (the same ones on every rank of a group).
+    """
     sync_sequence_parallel_grads(model.sequence_parallel_params(), group=model.groups["tp"])
     if model.grid.dp * model.grid.cp > 1:
         sync_moe_gradients(model.dense_params(), model.expert_params(), dp_group=model.groups["dp_cp"],
@@ -89,11 +109,13 @@ def sync_gradients(model: ParallelGPT) -> None:
 
 
 def global_loss(model: ParallelGPT, loss: torch.Tensor | None) -> float:
-    """The whole batch's loss on every rank: the mean of the dp·cp ranks' losses (tp copies and the
-    stages without a loss add 0).  One all-reduce of one number over the world."""
-    mine = loss is not None and model.coords["tp"] == 0
-    t = torch.tensor([float(loss.detach()) if mine else 0.0], dtype=torch.float64,
-                     device=next(model.parameters()).device)
+    """The whole batch's loss on every rank: the mean of the dp·cp ranks' losses (tp copies add 0;
+    with pp > 1 every stage adds its MoE layers' aux share, the last its cross-entropy).  One
+    all-reduce of one number over the world."""
+    mine = 0.0
+    if model.coords["tp"] == 0:
+        mine = (float(loss.detach()) if loss is not None else 0.0) + model.aux_share()
+    t = torch.tensor([mine], dtype=torch.float64, device=next(model.parameters()).device)
     comm.all_reduce(t, what="loss")
     return float(t) / (model.grid.dp * model.grid.cp)
 
@@ -107,6 +129,7 @@ def train_step(model: ParallelGPT, optimizer: torch.optim.Optimizer, x: torch.Te
     """
     x, y = local_batch(x, y, model)
     optimizer.zero_grad(set_to_none=True)
+    model.scale_aux_losses(num_microbatches)
     if model.grid.pp == 1:
         loss = model.loss(x, y)
         loss.backward()
@@ -217,14 +240,14 @@ def expected_bytes(cfg, grid, coords: dict, batch_size: int, *, sequence_paralle
         else:
             out["tp"] = steps * ar(tp, b * (T * d * (first + 4 * L_dense + 2 * L_moe + last) + 3 * T * last)) \
                 + ar(tp, 2 * d * b * expert_rows)
-    if cp > 1:
-        out["cp"] = steps * 6 * (cp - 1) * T * (d // tp) * b * L_s
-    n = grid.dp * cp
-    if n > 1:
-        out["dp_cp"] = steps * ar(n, b * dense)
-        if expert:
-            out["edp"] = steps * ar(grid.edp, b * expert)
-    if pp > 1:
-        d_a = d // tp if sequence_parallel and tp > 1 else d
-        out["pp"] = steps * T * d_a * b * ((1 - last) + (1 - first))
+    # dp_cp, cp and pp: the estimate of exercise 5c.3 (with sequence parallelism a stage boundary
+    # carries the S/tp rows of this tp rank: d/tp features per token instead of d)
+    sizes = {a: grid.sizes[a] for a in ("tp", "cp", "dp", "pp")}
+    est = step_bytes(sizes, coords, tokens=T, d_model=d, layers=L_s, dense_params=dense, bytes_per_element=b)
+    if sequence_parallel and tp > 1 and pp > 1:
+        est["pp"] = step_bytes(sizes, coords, tokens=T, d_model=d // tp, layers=L_s, dense_params=dense,
+                               bytes_per_element=b)["pp"]
+    out.update({axis: steps * v for axis, v in est.items()})
+    if expert and grid.dp * cp > 1:
+        out["edp"] = steps * ar(grid.edp, b * expert)
     return out
