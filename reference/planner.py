@@ -14,6 +14,10 @@ Memory per device (bytes)
     model states (ZeRO arXiv:1910.02054, mixed-precision Adam: 2 + 2 + K bytes, K = 12):
         stage 0  (2 + 2 + K)·Ψ      stage 1  (2 + 2)·Ψ + K·Ψ/N      stage 2  2·Ψ + (2 + K)·Ψ/N
         stage 3  (2 + 2 + K)·Ψ/N    N = dp·cp for dense parameters, edp for experts
+      Ψ counts what the device holds: its layers' matrices (and the biases of column-parallel
+      layers) ÷ t, the norms, the biases after row-parallel layers and the router whole (every
+      tensor rank holds a copy), its stage's embedding and head rows (the vocabulary padded to a
+      multiple of t, as Megatron does) and position table / final norm; experts ÷ (e·t).
     activations per layer (Korthikanti §4, fp16, with dropout):
         s·b·h·34 + 5·a·s²·b                       no parallelism
         s·b·h·(10 + 24/t) + 5·a·s²·b/t            tensor parallel
@@ -21,28 +25,54 @@ Memory per device (bytes)
         s·b·h·34/t                                + selective recomputation (or flash attention)
         2·s·b·h/t                                 full recomputation (layer inputs only)
       with context parallelism every s·b·h term uses s/c and the score term a·(s/c)·s·b; 1F1B
-      keeps min(m, p) micro-batches of ⌈L/p⌉ layers alive on the first stage.
+      keeps min(m, p − stage) micro-batches of the stage's layers alive (the first stage: min(m, p)).
+      MoE layers: the experts' FFN internals for k·cf·s·b tokens, and the dispatched tokens (the
+      experts' input) and the experts' output (for the gate's gradient), k·cf·s·b·h each.
+      ``Model.stats_bytes`` > 0 also counts what Korthikanti leaves out: the norms' per-token
+      statistics (LayerNorm mean and 1/σ, RMSNorm 1/rms), flash attention's log-sum-exp (a per
+      token) and the router's probabilities and gate weights (E + k per token).
+    output layer ("logits", last stage; Korthikanti §4.3): the final norm's and the head's inputs
+      (s·b·h each, ÷ t with SP) and the loss's logits, loss_bytes·s·b·V/t (fp32); the first stage
+      adds the embedding's dropout mask (s·b·h, ÷ t with SP).
 Communication per device per step (ring algorithms; what one device sends)
     dp    gradient all-reduce 2(N−1)/N · Ψ · bytes (ZeRO-1/2 the same: reduce-scatter + all-gather;
           ZeRO-3 1.5×: parameters gathered again for the backward)
-    tp    4 all-reduces (or all-gather + reduce-scatter with SP) per layer per micro-batch,
-          each 2(t−1)/t · s·b·h/c · bytes (6 with full recomputation)
+    tp    per micro-batch, each an all-reduce (or all-gather + reduce-scatter with SP, the same
+          bytes) of 2(t−1)/t · s·b·h/c · bytes: 4 per dense layer (6 with full recomputation),
+          2 + 2·k·cf per MoE layer (each expert is cut over tp like the MLP: f and g on its
+          k·cf·s·b rows at perfect balance), 1 for the vocabulary-parallel embedding (first
+          stage), 1 for the head and 3 all-reduces of one number per token for the vocabulary-
+          parallel cross-entropy (last stage, loss_bytes each); with SP, once per step, the
+          all-reduce of the replicated parameters' gradients (each tp rank saw s/t rows)
     pp    one activation forward and one gradient back per micro-batch per stage boundary
     cp    ring attention: K and V blocks pass c−1 times forward, K,V and dK,dV c−1 times backward
     ep    4 all-to-alls per MoE layer per micro-batch (dispatch, combine, and their backward),
-          each sending (e−1)/e of k·tokens·h
+          each sending (e−1)/e of k·tokens·h (perfect balance); ``Plan.ep_payload`` is what the
+          dispatch and the combine's backward are handed, k·cf·tokens·h each, routing-independent
 Time: compute = FLOPs / (devices · peak · MFU), FLOPs = (6·N_active + 6·L·s·h)·tokens (Kaplan et al.
 arXiv:2001.08361; 8 instead of 6 with full recomputation: one more forward), stretched by the bubble (p−1)/(v·m + p−1);
 tp, pp and ep traffic is in the critical path; dp traffic overlaps the backward (2/3 of the
 compute) and cp traffic the attention compute (6·L·s·h per token): only what exceeds them is exposed.  A group's link is the intra-node one if the rank grid
 (reference.mesh) keeps every group of that axis inside a node, else the inter-node one.
 
+Which device.  ``plan(..., stage=k)`` describes the ranks of pipeline stage k (layers split as
+``reference.pipeline.balanced_sizes``: contiguous, larger stages first; layer i is a MoE layer when
+i % moe_every = moe_every − 1).  The default, ``stage=None``, takes every entry from the stage
+where it is largest (states from the stage with the most parameters, activations from the first,
+the output layer from the last, bytes per axis from the busiest stage): an upper bound for every
+device.
+
 Bytes are what one device SENDS with the ring algorithms above; ``reference.trace`` records the
 payload a rank hands to each collective (an all-reduce of n bytes is one event of n bytes), so a
 comparison with a measured run converts with the same 2(N−1)/N factors.
 
+Validated on the tiny GPT (``tests/test_planner_measured.py``, :func:`tiny_gpt`, real gloo runs):
+bytes per axis per step exactly, parameters, gradients and optimizer state exactly, activations
+within a few per cent (``reference.compose.memory`` says what is not counted).
+
 Not counted: temporary buffers, communication buckets, allocator fragmentation, the CUDA context,
-input-embedding activations, latency of small messages, imbalance between experts.
+integer and boolean tensors saved for the backward (ids, routing indices, masks other than
+dropout's), latency of small messages, imbalance between experts.
 """
 from __future__ import annotations
 
@@ -53,8 +83,9 @@ from functools import lru_cache
 
 from .mesh import RankGrid
 
-__all__ = ["Model", "Cluster", "Composition", "Plan", "param_counts", "model_state_bytes",
-           "activation_bytes_per_layer", "allreduce_bytes", "bubble_fraction", "plan", "search", "with_sizes", "GB"]
+__all__ = ["Model", "Cluster", "Composition", "Plan", "param_counts", "device_params", "stage_layers",
+           "model_state_bytes", "activation_bytes_per_layer", "output_layer_bytes", "allreduce_bytes", "bubble_fraction", "plan",
+           "search", "with_sizes", "tiny_gpt", "cpu_cluster", "GB"]
 
 GB = 1e9
 
@@ -83,11 +114,29 @@ class Model:
     grad_bytes: int = 2
     optimizer_bytes: int = 12       # K: fp32 master weights + Adam m, v
     act_bytes: int = 2
+    biases: bool = False            # GPT-2 layout: a bias in every Linear but the head, LayerNorm (weight
+    #                                 and bias; keeps mean and 1/σ) instead of RMSNorm (weight; keeps 1/rms)
+    learned_positions: bool = False  # a learned (seq_len, h) position table on the first stage
+    final_norm: bool = True         # a norm before the head (last stage)
+    loss_bytes: int = 4             # the loss's logits and per-token numbers: fp32 in mixed precision
+    stats_bytes: int = 0            # bytes of the small per-token statistics kept for the backward (norms,
+    #                                 flash log-sum-exp, router probabilities); 0: not counted (Korthikanti)
+    sp_saves_gathered: bool = False  # with SP, column-parallel layers (qkv, fc1, head) keep their all-gathered
+    #                                 input, s·b·h (Megatron keeps the s·b·h/t shard and gathers it again)
     source: str = ""
 
     @property
     def moe_layers(self) -> int:
         return self.layers // self.moe_every if self.num_experts > 1 else 0
+
+    def is_moe(self, layer: int) -> bool:
+        """Layer ``layer`` (0-based) is a MoE layer: every ``moe_every``-th, the last of each group."""
+        return self.num_experts > 1 and layer % self.moe_every == self.moe_every - 1
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm: LayerNorm weight and bias with ``biases``, else RMSNorm's weight."""
+        return self.hidden * (2 if self.biases else 1)
 
 
 @dataclass(frozen=True)
@@ -130,17 +179,20 @@ class Composition:
 
 def param_counts(model: Model) -> dict[str, float]:
     """Parameters by kind (whole model): attention, dense FFN, experts, router, norms, embeddings."""
-    h, hd = model.hidden, model.hidden // model.heads
-    attn = h * model.heads * hd * 2 + h * model.kv_heads * hd * 2        # Q, O and K, V (GQA)
+    h, hd, f = model.hidden, model.hidden // model.heads, model.ffn
+    q_kv = (model.heads + 2 * model.kv_heads) * hd                       # Q, K, V outputs (GQA)
+    attn = h * q_kv + model.heads * hd * h + (q_kv + h if model.biases else 0)
     mats = 3 if model.gated_ffn else 2
+    mlp = mats * h * f + ((mats - 1) * f + h if model.biases else 0)
     moe, dense = model.moe_layers, model.layers - model.moe_layers
     return dict(
         attention=model.layers * attn,
-        ffn=dense * mats * h * model.ffn,
-        experts=moe * model.num_experts * mats * h * model.ffn,
+        ffn=dense * mlp,
+        experts=moe * model.num_experts * mlp,
         router=moe * h * model.num_experts,
-        norms=model.layers * 2 * h,
-        embeddings=model.vocab * h * (1 if model.tied_embeddings else 2),
+        norms=(model.layers * 2 + (1 if model.final_norm else 0)) * model.norm_params,
+        embeddings=model.vocab * h * (1 if model.tied_embeddings else 2)
+        + (model.seq_len * h if model.learned_positions else 0),
     )
 
 
@@ -148,19 +200,56 @@ def active_params(model: Model) -> float:
     """Parameters one token passes through: experts count k of E."""
     c = param_counts(model)
     experts = c["experts"] * model.top_k / model.num_experts if model.num_experts > 1 else 0
-    return c["attention"] + c["ffn"] + experts + c["router"] + c["norms"] + c["embeddings"]
+    return sum(c.values()) - c["experts"] + experts
 
 
-def device_params(model: Model, comp: Composition) -> tuple[float, float]:
-    """(dense, expert) parameters held by the busiest device (first/last stage with an embedding)."""
-    c = param_counts(model)
-    per_layer = (c["attention"] + c["ffn"] + c["norms"] + c["router"]) / model.layers
-    layers = math.ceil(model.layers / comp.pp)
-    embed = model.vocab * model.hidden * (1 if (comp.pp > 1 or model.tied_embeddings) else 2)
-    dense = (layers * per_layer + embed) / comp.tp          # norms/router replicated in truth: small
-    moe_layers = math.ceil(model.moe_layers / comp.pp) if model.moe_layers else 0
-    experts = moe_layers * (c["experts"] / max(model.moe_layers, 1)) / (comp.ep * comp.tp)
-    return dense, experts
+def padded_vocab(model: Model, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of ``tp`` (Megatron pads it so it splits evenly)."""
+    return -(-model.vocab // tp) * tp
+
+
+def stage_layers(model: Model, pp: int, stage: int) -> tuple[int, int]:
+    """(layers, MoE layers) of pipeline stage ``stage``: contiguous, as equal as possible, larger first
+    (``reference.pipeline.balanced_sizes``)."""
+    q, extra = divmod(model.layers, pp)
+    start = stage * q + min(stage, extra)
+    n = q + (1 if stage < extra else 0)
+    return n, sum(model.is_moe(i) for i in range(start, start + n)) if model.num_experts > 1 else 0
+
+
+def _stage_params(model: Model, t: int, e: int, n_layers: int, n_moe: int, first: bool, last: bool
+                  ) -> tuple[float, float, float]:
+    """(dense, expert, replicated-over-tp) parameters of one device of a stage."""
+    h, hd, f = model.hidden, model.hidden // model.heads, model.ffn
+    q_kv = (model.heads + 2 * model.kv_heads) * hd
+    mats = 3 if model.gated_ffn else 2
+    attn_split = (h * q_kv + model.heads * hd * h + (q_kv if model.biases else 0)) / t
+    mlp_split = (mats * h * f + ((mats - 1) * f if model.biases else 0)) / t
+    out_bias = h if model.biases else 0                       # after a row-parallel layer: replicated
+    replicated = n_layers * (2 * model.norm_params + out_bias) + (n_layers - n_moe) * out_bias \
+        + n_moe * h * model.num_experts                       # norms, proj/fc2 biases, router
+    vocab_rows = padded_vocab(model, t) // t * h
+    embed = vocab_rows * (first + last) if (first != last or not model.tied_embeddings) else vocab_rows
+    if first and model.learned_positions:
+        replicated += model.seq_len * h
+    if last and model.final_norm:
+        replicated += model.norm_params
+    dense = n_layers * attn_split + (n_layers - n_moe) * mlp_split + embed + replicated
+    experts = n_moe * model.num_experts // e * (mlp_split + out_bias) if n_moe else 0.0
+    return dense, experts, replicated
+
+
+def device_params(model: Model, comp: Composition, stage: int | None = None) -> tuple[float, float]:
+    """(dense, expert) parameters held by one device of pipeline stage ``stage`` (None: of the stage
+    holding the most)."""
+    p = comp.pp
+    best = None
+    for k in (range(p) if stage is None else (stage,)):
+        n, moe = stage_layers(model, p, k)
+        dense, experts, _ = _stage_params(model, comp.tp, comp.ep, n, moe, k == 0, k == p - 1)
+        if best is None or dense + experts > sum(best):
+            best = (dense, experts)
+    return best
 
 
 def model_state_bytes(psi: float, zero: int, n: int, *, param_bytes: int = 2, grad_bytes: int = 2,
@@ -180,9 +269,10 @@ def activation_bytes_per_layer(model: Model, *, tp: int = 1, cp: int = 1, sequen
     """Bytes of activations one transformer layer keeps for the backward, one micro-batch, per device.
 
     The accounting of Korthikanti et al. §4, written per stored tensor so that it also covers GQA,
-    a gated or non-4h FFN, MoE (k experts' FFN activations per token, × capacity factor), no
-    dropout, and context parallelism.  With MHA, FFN 4h, GELU and dropout it is exactly
-    ``s·b·h·34 + 5·a·s²·b`` (tested).
+    a gated or non-4h FFN, MoE (k experts' FFN activations per token, × capacity factor, and the
+    experts' input and output), no dropout, and context parallelism.  With MHA, FFN 4h, GELU and
+    dropout it is exactly ``s·b·h·34 + 5·a·s²·b`` (tested).  ``model.stats_bytes`` > 0 adds the
+    per-token statistics Korthikanti leaves out (norms, flash log-sum-exp, router probabilities).
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
@@ -190,18 +280,40 @@ def activation_bytes_per_layer(model: Model, *, tp: int = 1, cp: int = 1, sequen
     kv = model.kv_heads * (h // a)
     e, mask = model.act_bytes, (1 if model.dropout else 0)
     sbh = s * b * h
+    sp = tp if sequence_parallel else 1
     if recompute == "full":
-        return e * sbh / (tp if sequence_parallel else 1)
+        return e * sbh / sp
     # replicated across tensor ranks unless sequence parallel: LayerNorm inputs, QKV and FC1 inputs, dropout masks
     replicated = e * 2 * sbh + e * sbh + e * sbh + mask * 2 * sbh
+    gathered = 0.0
+    if sp > 1 and model.sp_saves_gathered:      # QKV and FC1 inputs kept all-gathered
+        replicated, gathered = replicated - 2 * e * sbh, 2 * e * sbh
     # split across tensor ranks: Q, K (for QKᵀ), V, the attention output (proj input), the FFN internals
     ffn_tokens = model.top_k * model.capacity_factor if moe else 1
     ffn_inner = (3 if model.gated_ffn else 2) * e * s * b * model.ffn * ffn_tokens
     split = e * (sbh + s * b * kv) + e * s * b * kv + e * sbh + ffn_inner
+    if moe:     # the dispatched tokens (the experts' input) and the experts' output (the gate's gradient)
+        replicated += 2 * e * ffn_tokens * sbh
     scores = 0.0
     if recompute == "none" and not flash:       # softmax output, dropout mask, dropout output
         scores = (e + mask + (e if model.dropout else 0)) * a * s * model.seq_len * b
-    return (replicated / (tp if sequence_parallel else 1)) + (split + scores) / tp
+    stats = 0.0
+    if model.stats_bytes:       # norms' mean and 1/σ (1/rms), flash's log-sum-exp per head, router probabilities
+        per_token = 2 * (2 if model.biases else 1) / sp + (a / tp if flash else 0) \
+            + ((model.num_experts + model.top_k) / sp if moe else 0)
+        stats = model.stats_bytes * s * b * per_token
+    return (replicated / sp) + gathered + (split + scores) / tp + stats
+
+
+def output_layer_bytes(model: Model, *, tp: int = 1, cp: int = 1, sequence_parallel: bool = True) -> float:
+    """Activations of the output layer, one micro-batch (Korthikanti §4.3): the final norm's input,
+    the head's input and the loss's logits (``loss_bytes``, over this rank's padded vocabulary)."""
+    s, b, h = model.seq_len / cp, model.micro_batch, model.hidden
+    sp = tp if sequence_parallel else 1
+    head_input = model.act_bytes * s * b * h / (1 if model.sp_saves_gathered else sp)
+    inputs = (model.act_bytes * s * b * h / sp if model.final_norm else 0.0) + head_input
+    stats = model.stats_bytes * s * b * (2 if model.biases else 1) / sp if model.final_norm else 0.0
+    return inputs + stats + model.loss_bytes * s * b * padded_vocab(model, tp) / tp
 
 
 # ---------------------------------------------------------------------------------- communication
@@ -238,6 +350,8 @@ class Plan:
     step_time: float
     bottleneck: str
     reasons: list[str] = field(default_factory=list)
+    stage: int | None = None            # the pipeline stage described (None: the busiest of each entry)
+    ep_payload: float = 0.0             # bytes handed to the dispatch + combine-backward all-to-alls per step
 
     @property
     def total_memory(self) -> float:
@@ -289,49 +403,96 @@ def _links(world: int, dp: int, tp: int, pp: int, cp: int, ep: int, per_node: in
             for axis in ("dp_cp", "tp", "pp", "cp", "ep", "edp")}
 
 
-def plan(model: Model, cluster: Cluster, comp: Composition) -> Plan:
-    """Memory, communication, time and the first resource to run out, for one composition."""
-    check_composition(model, cluster, comp)
+def _stage_entries(model: Model, comp: Composition, m: int, n_layers: int, n_moe: int, first: bool, last: bool
+                   ) -> tuple[dict, dict, float]:
+    """Memory (activations for ONE micro-batch in flight) and bytes per axis of one device of a stage."""
     t, p, c, e = comp.tp, comp.pp, comp.cp, comp.ep
-    m = comp.micro_batches or model.global_batch // (comp.dp * model.micro_batch)
     s, b, h = model.seq_len, model.micro_batch, model.hidden
-    # --- memory
-    dense, experts = device_params(model, comp)
+    sp = comp.sequence_parallel and t > 1
+    dense, experts, replicated = _stage_params(model, t, e, n_layers, n_moe, first, last)
     kw = dict(param_bytes=model.param_bytes, grad_bytes=model.grad_bytes, optimizer_bytes=model.optimizer_bytes)
     states = model_state_bytes(dense, comp.zero, comp.dp * c, **kw)
     if experts:
         for k, v in model_state_bytes(experts, comp.zero, comp.dp * c // e, **kw).items():
             states[k] += v
-    layers = math.ceil(model.layers / p)
-    moe_here = math.ceil(model.moe_layers / p) if model.moe_layers else 0
     akw = dict(tp=t, cp=c, sequence_parallel=comp.sequence_parallel, flash=comp.flash)
-    per_mb = ((layers - moe_here) * activation_bytes_per_layer(model, recompute=comp.recompute, **akw)
-              + moe_here * activation_bytes_per_layer(model, recompute=comp.recompute, moe=True, **akw))
-    memory = dict(states, activations=per_mb * min(m, p))
+    per_mb = ((n_layers - n_moe) * activation_bytes_per_layer(model, recompute=comp.recompute, **akw)
+              + n_moe * activation_bytes_per_layer(model, recompute=comp.recompute, moe=True, **akw))
+    if first and model.dropout:                 # the embedding's dropout mask
+        per_mb += s / c * b * h / (t if comp.sequence_parallel else 1)
+    memory = dict(states, activations=per_mb)
     if comp.recompute == "full":        # one layer's activations rebuilt during its backward
-        memory["recompute"] = activation_bytes_per_layer(model, recompute="none", moe=moe_here > 0, **akw)
-    memory["logits"] = 4 * s / c * b * model.vocab / t      # fp32 logits for the loss (last stage)
-    # --- communication per device per step
+        memory["recompute"] = activation_bytes_per_layer(model, recompute="none", moe=n_moe > 0, **akw)
+    if last:
+        memory["logits"] = output_layer_bytes(model, tp=t, cp=c, sequence_parallel=comp.sequence_parallel)
+    # --- bytes per device per step
     e_b, g_b = model.act_bytes, model.grad_bytes
     n_dp = comp.dp * c
     zero3 = 1.5 if comp.zero == 3 else 1.0
     comm = {"dp": zero3 * allreduce_bytes(dense * g_b, n_dp) if n_dp > 1 else 0.0}
     if experts and n_dp // e > 1:
         comm["edp"] = zero3 * allreduce_bytes(experts * g_b, n_dp // e)
+    kcf = model.top_k * model.capacity_factor
     if t > 1:
-        per = 6 if comp.recompute == "full" else 4
-        comm["tp"] = per * layers * m * allreduce_bytes(s / c * b * h * e_b, t)
+        fwd_dense, fwd_moe = 2, 1 + kcf                 # forward collectives (repeated by full recomputation)
+        again = 1 if comp.recompute == "full" else 0
+        per_layer = (n_layers - n_moe) * fwd_dense * (2 + again) + n_moe * fwd_moe * (2 + again)
+        act = allreduce_bytes(s / c * b * h * e_b, t)
+        loss = 3 * allreduce_bytes(s / c * b * model.loss_bytes, t) if last else 0.0
+        comm["tp"] = m * (act * (per_layer + first + last) + loss) \
+            + (allreduce_bytes(replicated * g_b, t) if sp else 0.0)
     if p > 1:
         boundary = s / c * b * h * e_b / (t if comp.sequence_parallel else 1)
-        comm["pp"] = (1 if p == 2 else 2) * m * boundary
+        comm["pp"] = ((not first) + (not last)) * m * boundary
     if c > 1:
         kv_block = 2 * s / c * b * model.kv_heads * (h // model.heads) * e_b / t
         passes = 4 if comp.recompute == "full" else 3
-        comm["cp"] = passes * (c - 1) * layers * m * kv_block
-    if e > 1 and moe_here:
+        comm["cp"] = passes * (c - 1) * n_layers * m * kv_block
+    payload = 0.0
+    if e > 1 and n_moe:
         tokens = s / c * b / (t if comp.sequence_parallel else 1)
-        comm["ep"] = 4 * moe_here * m * all_to_all_bytes(model.top_k * model.capacity_factor * tokens * h * e_b, e)
-    comm = {k: v for k, v in comm.items() if v > 0}
+        payload = 2 * n_moe * m * kcf * tokens * h * e_b
+        comm["ep"] = 2 * payload * (e - 1) / e
+    return memory, {k: v for k, v in comm.items() if v > 0}, payload
+
+
+def plan(model: Model, cluster: Cluster, comp: Composition, *, stage: int | None = None) -> Plan:
+    """Memory, communication, time and the first resource to run out, for one composition.
+
+    ``stage``: describe one device of that pipeline stage; None (default): each entry from the
+    stage where it is largest (see the module docstring).
+    """
+    check_composition(model, cluster, comp)
+    t, p, c, e = comp.tp, comp.pp, comp.cp, comp.ep
+    m = comp.micro_batches or model.global_batch // (comp.dp * model.micro_batch)
+    s, h = model.seq_len, model.hidden
+    if stage is not None and not 0 <= stage < p:
+        raise ValueError(f"stage={stage} is not one of the pp={p} stages")
+    # --- memory and bytes, stage by stage (stages with the same layers give the same entries)
+    seen: dict[tuple, tuple] = {}
+    memory: dict[str, float] = {}
+    comm: dict[str, float] = {}
+    payload, best_states = 0.0, -1.0
+    for k in (range(p) if stage is None else (stage,)):
+        n, moe = stage_layers(model, p, k)
+        key = (n, moe, k == 0, k == p - 1)
+        if key not in seen:
+            seen[key] = _stage_entries(model, comp, m, *key)
+        mem_k, comm_k, payload_k = seen[key]
+        mem_k = dict(mem_k, activations=mem_k["activations"] * min(m, p - k))      # 1F1B: micro-batches in flight
+        states = mem_k["params"] + mem_k["grads"] + mem_k["optimizer"]
+        if states > best_states:
+            best_states = states
+            memory.update({x: mem_k[x] for x in ("params", "grads", "optimizer")})
+        for x in ("activations", "recompute", "logits"):
+            if x in mem_k:
+                memory[x] = max(memory.get(x, 0.0), mem_k[x])
+        for x, v in comm_k.items():
+            comm[x] = max(comm.get(x, 0.0), v)
+        payload = max(payload, payload_k)
+    memory = {x: memory[x] for x in ("params", "grads", "optimizer", "activations", "recompute", "logits")
+              if x in memory}
+    comm = {x: comm[x] for x in ("dp", "edp", "tp", "pp", "cp", "ep") if x in comm}
     links = _links(cluster.devices, comp.dp, t, p, c, e, cluster.devices_per_node)
     axis_link = dict(dp=links["dp_cp"], edp=links["edp"], tp=links["tp"], pp=links["pp"], cp=links["cp"],
                      ep=links["ep"])
@@ -350,7 +511,8 @@ def plan(model: Model, cluster: Cluster, comp: Composition) -> Plan:
     exposed = (max(0.0, comm_time.get("dp", 0.0) + comm_time.get("edp", 0.0) - 2 / 3 * compute)
                + max(0.0, comm_time.get("cp", 0.0) - attention))
     step = busy + critical + exposed
-    result = Plan(model, cluster, comp, m, memory, comm, comm_time, link, bubble, compute, step, "")
+    result = Plan(model, cluster, comp, m, memory, comm, comm_time, link, bubble, compute, step, "",
+                  stage=stage, ep_payload=payload)
     result.bottleneck, result.reasons = _diagnose(result, busy - compute, critical, exposed)
     return result
 
@@ -419,3 +581,33 @@ def search(model: Model, cluster: Cluster, *, zero_stages=(0, 1, 2, 3), recomput
 def with_sizes(comp: Composition, **kw) -> Composition:
     """A copy of ``comp`` with some fields changed (for widgets and notebooks)."""
     return replace(comp, **kw)
+
+
+# ---------------------------------------------------------------------------------- the course's tiny GPT
+
+def tiny_gpt(cfg, *, batch_size: int, micro_batch: int | None = None, name: str = "tiny GPT") -> Model:
+    """The planner's :class:`Model` of ``reference.gpt.TinyGPT(cfg)`` trained in float64 with Adam on
+    batches of ``batch_size`` sequences (``micro_batch`` sequences per micro-batch and rank).
+
+    GPT-2 layout (biases, LayerNorm, learned positions, final LayerNorm, untied head without bias),
+    GELU MLP, no dropout, dropless top-k MoE (capacity factor 1: k·T rows at perfect balance);
+    float64 parameters, gradients, activations and loss (8 bytes), Adam's exp_avg and exp_avg_sq
+    (16 bytes per parameter, no master copy), statistics counted at 8 bytes.  Its attention is
+    ``reference.sequence.ring_attention``: flash-like (q, k, v, the output and the log-sum-exp are
+    kept, no scores): plan it with ``Composition(flash=True)``.  With sequence parallelism its
+    column-parallel layers keep the all-gathered input (``sp_saves_gathered``).
+    """
+    return Model(name, layers=cfg.layers, hidden=cfg.d_model, heads=cfg.heads, kv_heads=cfg.heads, ffn=cfg.d_ff,
+                 vocab=cfg.vocab, seq_len=cfg.seq_len, micro_batch=micro_batch or batch_size,
+                 global_batch=batch_size, num_experts=cfg.num_experts if cfg.num_experts > 1 else 1,
+                 top_k=cfg.top_k if cfg.num_experts > 1 else 1, moe_every=cfg.moe_every, capacity_factor=1.0,
+                 dropout=False, param_bytes=8, grad_bytes=8, optimizer_bytes=16, act_bytes=8, biases=True,
+                 learned_positions=True, final_norm=True, loss_bytes=8, stats_bytes=8, sp_saves_gathered=True,
+                 source="reference/gpt.py (float64)")
+
+
+def cpu_cluster(devices: int) -> Cluster:
+    """One machine of ``devices`` gloo ranks on CPU (for planning the tiny GPT's runs; the time
+    figures are nominal: 10 GFLOP/s and 1 GB/s per rank)."""
+    return Cluster(f"{devices} CPU ranks (gloo)", devices=devices, memory=8 * GB, flops=1e10, intra_bw=1e9,
+                   inter_bw=1e9, devices_per_node=devices, mfu=1.0, source="nominal")

@@ -60,7 +60,10 @@ def test_plan_memory_adds_up_by_hand():
     comp = P.Composition(dp=2, tp=2, pp=2, zero=1)
     pl = P.plan(TINY_BIG, ONE_NODE, comp)
     c = P.param_counts(TINY_BIG)
-    psi = ((c["attention"] + c["ffn"] + c["norms"]) / 2 + 32000 * 5120) / 2        # 20 layers + one embedding, /tp
+    # the last stage holds the most: 20 layers' matrices and the head's vocabulary rows /tp, and
+    # 20 × 2 norms + the final norm whole (every tensor rank holds a copy of a norm)
+    psi = (c["attention"] + c["ffn"]) / 2 / 2 + 20 * 2 * 5120 + 5120 + 32000 * 5120 / 2
+    assert c["norms"] == (40 * 2 + 1) * 5120
     assert pl.memory["params"] == pytest.approx(2 * psi)
     assert pl.memory["grads"] == pytest.approx(2 * psi)
     assert pl.memory["optimizer"] == pytest.approx(12 * psi / 2)
@@ -68,7 +71,8 @@ def test_plan_memory_adds_up_by_hand():
     m = 8 // 2
     assert pl.micro_batches == m
     assert pl.memory["activations"] == pytest.approx(20 * per_layer * min(m, 2))
-    assert pl.memory["logits"] == pytest.approx(4 * 4096 * 32000 / 2)
+    # output layer (Korthikanti §4.3): fp32 logits over V/t, the final norm's and the head's inputs /t (SP)
+    assert pl.memory["logits"] == pytest.approx(4 * 4096 * 32000 / 2 + 2 * 2 * 4096 * 5120 / 2)
 
 
 # ------------------------------------------------------------------ communication formulas
@@ -84,10 +88,14 @@ def test_bytes_per_axis_by_hand():
     psi = sum(P.param_counts(TINY).values())
     assert P.plan(TINY, TWO_NODES, P.Composition(dp=8)).comm_bytes == {"dp": 2 * 7 / 8 * psi * e}
     assert P.plan(TINY, TWO_NODES, P.Composition(dp=8, zero=3)).comm_bytes["dp"] == pytest.approx(1.5 * 2 * 7 / 8 * psi * e)
-    # tp: 4 all-reduces × 2 layers × 1 micro-batch of s·b·h = 32 elements: 4·2·(2·1/2·64) = 512 bytes
+    # tp: 4 all-reduces × 2 layers × 1 micro-batch of s·b·h = 32 elements: 4·2·(2·1/2·64) = 512 bytes,
+    # + the vocabulary-parallel embedding's and the head's (64 each), + the cross-entropy's 3 all-reduces
+    # of one fp32 number per token (3·32), + with SP the replicated parameters' gradients: 2·2 norms
+    # + the final norm, 20 numbers (40 bytes)
     tiny1 = P.Model("tiny", layers=2, hidden=4, heads=2, kv_heads=2, ffn=16, vocab=10, seq_len=8, global_batch=4)
     pl = P.plan(tiny1, TWO_NODES, P.Composition(dp=4, tp=2))
-    assert pl.comm_bytes["tp"] == 512 and pl.link["tp"] == "intra"
+    assert pl.comm_bytes["tp"] == 512 + 2 * 64 + 3 * 32 + 40 and pl.link["tp"] == "intra"
+    assert P.plan(tiny1, TWO_NODES, P.Composition(dp=4, tp=2, sequence_parallel=False)).comm_bytes["tp"] == 736
     # pp: p=4, m=8 micro-batches, boundary s·b·h·2 = 64 bytes, a middle stage sends 8 forward + 8 backward
     tiny8 = P.Model("tiny", layers=4, hidden=4, heads=2, kv_heads=2, ffn=16, vocab=10, seq_len=8, global_batch=16)
     pl = P.plan(tiny8, TWO_NODES, P.Composition(dp=2, pp=4))
@@ -115,7 +123,8 @@ def test_recomputation_and_interleaving_in_a_plan():
     # full: 2·s·b·h/t per layer kept, plus one layer rebuilt during its backward; 6 tp all-reduces instead of 4
     assert full.memory["activations"] == pytest.approx(40 * 2 * 4096 * 5120 / 8)
     assert full.memory["recompute"] == pytest.approx(none.memory["activations"] / 40)
-    assert full.comm_bytes["tp"] == pytest.approx(1.5 * none.comm_bytes["tp"])
+    # the layers' forward all-reduces (2 of their 4) run again, m = 8 micro-batches; embedding, head, loss do not
+    assert full.comm_bytes["tp"] - none.comm_bytes["tp"] == pytest.approx(8 * 40 * 2 * 2 * 7 / 8 * 4096 * 5120 * 2)
     assert full.compute_time == pytest.approx(none.compute_time * 8 / 6)
     tiny = P.Model("t", layers=8, hidden=4, heads=2, kv_heads=2, ffn=16, vocab=10, seq_len=8, global_batch=8)
     plain = P.plan(tiny, ONE_NODE, P.Composition(pp=4, dp=2))
