@@ -121,3 +121,22 @@ if "4.4" in EXERCISES:
     def _(ctx):
         _pipeline._bubble_case(ctx, "gpipe", 8, 3)
         _pipeline._bubble_case(ctx, "interleaved_1f1b", 4, 12, 3)
+
+
+if "5c.2" in EXERCISES:
+    from .checks.compose import grad_sync as _grad_sync
+    from .checks.compose import step_bytes as _step_bytes
+
+    @hidden_check("5c.2", "pp × dp = 2 × 2, 1F1B with 2 micro-batches: each stage syncs its own layers, nothing "
+                  "crosses stages", timeout=120)
+    def _(ctx):
+        _grad_sync._sync_case(ctx, {"pp": 2, "dp": 2}, _grad_sync.TINY, "pp=2, dp=2, 1F1B, m=2", 524,
+                              num_microbatches=2)
+
+    @hidden_check("5c.3", "cp = 4 with tp = 2, and 5 stages with 3 data replicas: every rank")
+    def _(ctx):
+        cases = [_step_bytes._rank_case(ctx, {"cp": 4, "tp": 2}, r, layers=3, d_model=24, heads=4, seq_len=32,
+                                        batch=2) for r in range(8)]
+        cases += [_step_bytes._rank_case(ctx, {"pp": 5, "dp": 3}, r, m=2, layers=7, d_model=16, heads=2, seq_len=8,
+                                         batch=6) for r in (0, 4, 7, 14)]
+        _step_bytes._check(ctx, cases, "hidden grids")

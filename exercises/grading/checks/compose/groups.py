@@ -1,4 +1,4 @@
-"""Checks for lecture 5c (composition): the rank groups of a grid (5c.1).
+"""Checks for exercise 5c.1: the rank groups of a grid.
 
 Ground truth comes from the reference (``reference.mesh.rank_groups`` through ``ctx.oracle``, and
 :class:`reference.mesh.RankGrid` for Megatron's order).  Most cases use orders and sizes the
@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import random
 
-from ..core import CheckFailed, exercise, salted_seed
+from ...core import CheckFailed, exercise, salted_seed
 
 H = "exercises.grading.harness"
 REF = "reference.mesh"
+
+__all__ = ["GROUPS", "MEGATRON", "PICOTRON", "HINTS"]
 
 GROUPS = exercise("5c.1", "The rank groups of a grid", "mesh", ["rank_groups"])
 
