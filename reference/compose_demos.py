@@ -9,7 +9,7 @@ from . import comm
 from .mesh import RankGrid
 from .recorded import recordable
 
-__all__ = ["group_sums", "device_mesh_groups", "tiny_gpt_curves"]
+__all__ = ["group_sums", "device_mesh_groups", "tiny_gpt_curves", "composed_runs", "planner_vs_run", "COMPOSED_NEEDS"]
 
 
 def group_sums(grids: list[dict], axes: list[str]) -> list[dict]:
@@ -63,3 +63,83 @@ def tiny_gpt_curves(steps: int = 40, lr: float = 1e-2, d_model: int = 32, heads:
                 "moe": train_single(steps, lr=lr, num_experts=4, top_k=2, **size)}
     finally:
         torch.set_num_threads(old)
+
+
+# ----------------------------------------------------------------------------------------------
+# Composed training: the tiny GPT on 8 ranks, 3D and 4D, against one process
+
+# Every graded function a composed step runs through (the release replays the recording until
+# they all pass): tensor layers, the pipeline step, ring attention, the MoE layer and its
+# gradient sync, the grid, the composed gradient sync and the byte estimate.
+COMPOSED_NEEDS = ("4.1", "4.2", "4.3", "4.4", "4.5", "5a.1", "5a.2", "5a.3", "5b.1", "5b.2", "5b.3", "5b.4",
+                  "5c.1", "5c.2", "5c.3")
+
+RUNS = {
+    "3D": dict(sizes={"dp": 2, "tp": 2, "pp": 2}, moe=False),
+    "4D": dict(sizes={"dp": 2, "tp": 2, "pp": 2, "ep": 2}, moe=True),
+}
+
+
+@recordable("05c.composed_runs", needs=COMPOSED_NEEDS)
+def composed_runs(steps: int = 20, microbatches: int = 2, batch_size: int = 4, lr: float = 1e-2, layers: int = 4,
+                  d_model: int = 32, heads: int = 4, d_ff: int = 64, seq_len: int = 16, num_experts: int = 4,
+                  world=None) -> dict:
+    """Train the tiny GPT (float64) for ``steps`` steps on 8 ranks twice — 3D dp×tp×pp = 2×2×2 (dense)
+    and 4D dp×tp×pp×ep = 2×2×2×2 (MoE blocks) — with 1F1B over ``microbatches``, and on one process.
+
+    Returns per run: "losses" (the grid's, equal on every rank), "single" (train_single's with the
+    same micro-batching), "max_diff", "seconds", "sizes", and per rank "measured" (wire bytes per
+    axis from the trace) and "formula" (reference.compose.train.expected_bytes: its dp_cp, cp and pp
+    entries are :func:`reference.compose.step_bytes`, exercise 5c.3).
+    """
+    import time
+
+    from .compose import expected_bytes, measured_bytes, workers
+    from .gpt import GPTConfig, corpus, encode, train_single
+    from .recorded import live_world
+    base = dict(layers=layers, d_model=d_model, heads=heads, d_ff=d_ff, seq_len=seq_len)
+    vocab = len(encode(corpus())[1])
+    out = {}
+    with live_world(8, {8: world} if world is not None else None) as w:
+        for name, run in RUNS.items():
+            config = dict(base, num_experts=num_experts) if run["moe"] else base
+            sizes = run["sizes"]
+            t0 = time.perf_counter()
+            res = w.run(workers.train_worker, sizes, steps, batch_size=batch_size, lr=lr, params="none",
+                        num_microbatches=microbatches, **config)
+            seconds = time.perf_counter() - t0
+            losses = res.values[0]["losses"]
+            single = train_single(steps, batch_size=batch_size, lr=lr, microbatches=microbatches,
+                                  dp=sizes["dp"], **config)
+            grid = RankGrid(8, **sizes)
+            cfg = GPTConfig(vocab=vocab, **config)
+            measured, formula = [], []
+            for r, v in enumerate(res.values):
+                rows = sum(sum(e.meta["tokens_per_expert"]) for e in res.trace.filter(op="compute", rank=r)
+                           if e.meta.get("what") == "experts")
+                measured.append(measured_bytes(res.trace, r, grid))
+                formula.append(expected_bytes(cfg, grid, v["coords"], batch_size, expert_rows=rows, steps=steps))
+            out[name] = dict(sizes=sizes, moe=run["moe"], losses=losses, single=single, seconds=seconds,
+                             max_diff=max(abs(a - b) for a, b in zip(losses, single)),
+                             coords=[v["coords"] for v in res.values], measured=measured, formula=formula)
+    return out
+
+
+@recordable("05c.planner_vs_run", needs=COMPOSED_NEEDS)
+def planner_vs_run(dp: int = 2, tp: int = 2, pp: int = 2, microbatches: int = 2, batch_size: int = 4,
+                   layers: int = 4, d_model: int = 32, heads: int = 4, d_ff: int = 64, seq_len: int = 16,
+                   world=None) -> dict:
+    """One measured step of the tiny GPT on dp×tp×pp ranks beside the planner's prediction for
+    each rank's stage: {rank: {"bytes": {axis: (planner, measured)}, "memory": {kind: (planner,
+    measured)}}} (reference.compose.memory.planner_vs_measured), plus "coords"."""
+    from .compose.memory import measure_worker, planner_vs_measured
+    from .recorded import live_world
+    sizes = {"dp": dp, "tp": tp, "pp": pp}
+    config = dict(layers=layers, d_model=d_model, heads=heads, d_ff=d_ff, seq_len=seq_len)
+    n = dp * tp * pp
+    with live_world(n, {n: world} if world is not None else None) as w:
+        res = w.run(measure_worker, sizes, batch_size=batch_size, num_microbatches=microbatches, **config)
+    return {"coords": [v["coords"] for v in res.values],
+            "ranks": {r: planner_vs_measured(res, sizes, rank=r, batch_size=batch_size,
+                                             num_microbatches=microbatches, **config)
+                      for r in range(n)}}

@@ -65,3 +65,32 @@ def test_drawing_and_player_render_headless():
     assert player.n_steps == 2 and player.state_at(0)["title"].endswith("tp4 pp2")
     player.controls["ep"].value = 2                                   # ep must divide dp·cp = 1
     assert "ep=2 must divide" in player.state_at(0)["error"]
+
+
+# -- the notebook's composed runs (small sizes): what the plots and tables show is what the runs did ----------
+
+def test_composed_runs_demo_equals_one_process_and_its_byte_table_matches(world):
+    from reference import compose_demos
+    runs = compose_demos.composed_runs(steps=2, layers=2, d_model=16, heads=2, d_ff=32, seq_len=8,
+                                       world=world(8))
+    assert set(runs) == {"3D", "4D"} and runs["4D"]["moe"] and not runs["3D"]["moe"]
+    for name, run in runs.items():
+        assert len(run["losses"]) == len(run["single"]) == 2
+        assert run["max_diff"] <= 1e-10, (name, run["losses"], run["single"])
+        assert len(run["measured"]) == len(run["formula"]) == 8
+        for got, want in zip(run["measured"], run["formula"]):
+            assert want and {a: got.get(a, 0) for a in want} == want, (name, got, want)
+            assert got["tp"] > 0 and got["pp"] > 0 and got["dp_cp"] > 0
+
+
+def test_planner_vs_run_demo_is_exact_on_states_and_bytes(world):
+    from reference import compose_demos
+    out = compose_demos.planner_vs_run(layers=2, d_model=16, heads=2, d_ff=32, seq_len=8, world=world(8))
+    assert sorted(out["ranks"]) == list(range(8))
+    for r, v in out["ranks"].items():
+        for kind in ("params", "grads", "optimizer"):
+            assert v["memory"][kind][0] == v["memory"][kind][1] > 0, (r, kind, v["memory"][kind])
+        assert set(v["bytes"]) == {"dp", "tp", "pp"}
+        assert all(want == got > 0 for want, got in v["bytes"].values()), (r, v["bytes"])
+        want, got = v["memory"]["activations"]
+        assert abs(want - got) <= 0.1 * got, (r, want, got)
