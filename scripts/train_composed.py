@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 4 scripts/train_composed.py --tp 2 --dp 2 --steps 5
     torchrun --standalone --nproc-per-node 8 scripts/train_composed.py --dp 2 --tp 2 --pp 2 --microbatches 2
     torchrun --standalone --nproc-per-node 4 scripts/train_composed.py --dp 4 --ep 2 --experts 4
+    torchrun --standalone --nproc-per-node 4 scripts/train_composed.py --dp 2 --cp 2 --zero 2
     torchrun --standalone --nproc-per-node 8 scripts/train_composed.py --dp 2 --tp 2 --pp 2 --ep 2 --experts 4
     python scripts/train_composed.py --single --steps 5          # the single-process ground truth
     python scripts/train_composed.py --single --pp 2 --dp 2 --experts 4   # its truth (aux per micro-batch)
@@ -32,6 +33,7 @@ def parse(argv=None) -> argparse.Namespace:
     for axis in ("tp", "cp", "dp", "pp", "ep"):
         p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size (default 1)")
     p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism inside the tp groups")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage over the dp·cp ranks (default 0)")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule (pp > 1): 1f1b, gpipe or zb_h1")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default pp; 1 without pp)")
     p.add_argument("--steps", type=int, default=5)
@@ -79,12 +81,12 @@ def main(argv=None) -> None:
     try:
         sizes = {a: getattr(args, a) for a in ("tp", "cp", "dp", "pp", "ep")}
         model, data = workers.build(sizes, batch_size=args.batch_size, seed=args.seed, sequence_parallel=args.sp,
-                                    num_microbatches=m, device=device, **config)
+                                    num_microbatches=m, zero=args.zero, device=device, **config)
         if dist.get_rank() == 0:
             print(f"{model.grid!r} on {backend}: {dist.get_world_size()} processes", flush=True)
         report = (lambda step, loss: print(f"step {step} loss {loss:.17g}", flush=True)) if dist.get_rank() == 0 else None
         workers.fit(model, data, args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                    schedule=args.schedule, num_microbatches=m, on_step=report)
+                    schedule=args.schedule, num_microbatches=m, zero=args.zero, on_step=report)
     finally:
         dist.destroy_process_group()
 

@@ -80,14 +80,14 @@ def expert_rows(trace, rank: int) -> int:
                if e.meta.get("what") == "experts")
 
 
-def assert_bytes(res, sizes: dict, config: dict, *, sequence_parallel: bool = False) -> dict:
+def assert_bytes(res, sizes: dict, config: dict, *, sequence_parallel: bool = False, zero: int = 0) -> dict:
     """Measured wire bytes per axis == the formulas, on every rank; returns rank 0's."""
     grid = RankGrid(len(res.values), **sizes)
     cfg = GPTConfig(vocab=len(encode(corpus())[1]), **config)
     first = None
     for r, v in enumerate(res.values):
         want = expected_bytes(cfg, grid, v["coords"], BATCH, sequence_parallel=sequence_parallel,
-                              expert_rows=expert_rows(res.trace, r), steps=STEPS)
+                              expert_rows=expert_rows(res.trace, r), steps=STEPS, zero=zero)
         got = measured_bytes(res.trace, r, grid)
         for axis, size in grid.sizes.items():       # an axis in use moves bytes, one not in use none
             if axis in ("tp", "cp", "pp", "dp_cp") and size > 1:
@@ -127,6 +127,10 @@ CASES = [
     # 4D, 8 ranks
     ("dp×tp×pp×ep 1f1b", {"dp": 2, "tp": 2, "pp": 2, "ep": 2}, MOE_ALL, {"num_microbatches": 2}),
     ("dp×tp×cp×ep", {"dp": 2, "tp": 2, "cp": 2, "ep": 2}, MOE, {}),
+    # ZeRO over dp_cp (lecture 3's ZeroOptimizer on each rank's dense shard; experts after their edp sync)
+    ("zero1 dp×tp", {"dp": 2, "tp": 2}, DENSE, {"zero": 1}),
+    ("zero2 dp×cp×tp+sp", {"dp": 2, "cp": 2, "tp": 2}, DENSE, {"zero": 2, "sequence_parallel": True}),
+    ("zero2 dp×ep", {"dp": 4, "ep": 2}, MOE, {"zero": 2}),
 ]
 
 
@@ -134,7 +138,13 @@ CASES = [
 def test_composed_training_equals_one_process(world, name, sizes, config, kw):
     res = run_case(world, sizes, config, **kw)
     assert_same_training(res, config, **truth_microbatches(sizes, config, kw))
-    assert_bytes(res, sizes, config, sequence_parallel=kw.get("sequence_parallel", False))
+    assert_bytes(res, sizes, config, sequence_parallel=kw.get("sequence_parallel", False), zero=kw.get("zero", 0))
+    if kw.get("zero"):      # ZeRO's own collectives ran, once per step on every rank, and no plain dense all-reduce
+        reduce = "all_reduce" if kw["zero"] == 1 else "reduce_scatter"
+        for r in range(len(res.values)):
+            assert len(res.trace.filter(op=reduce, rank=r, what="grads")) == STEPS
+            assert len(res.trace.filter(op="all_gather", rank=r, what="params")) == STEPS
+            assert not res.trace.filter(rank=r, what="dense_grads")
     if config.get("num_experts"):
         # EP: every MoE layer's dispatch hands k·T/m token rows of d numbers to the all-to-all per
         # micro-batch, and the gradient comes back the same way, whatever the routing.
@@ -165,6 +175,7 @@ BAD = [
     ({"sizes": {"ep": 2, "dp": 2}}, "ValueError", "MoE"),                           # ep without experts
     ({"sizes": {"tp": 2}, "num_experts": 4, "sequence_parallel": True}, "NotImplementedError", "MoE"),
     ({"sizes": {"pp": 2}, "num_experts": 4, "num_microbatches": 3}, "ValueError", "micro-batches"),
+    ({"sizes": {"dp": 2}, "zero": 3}, "ValueError", "ZeRO stage"),                    # stage 3 is FSDP (lecture 3)
 ]
 
 

@@ -4,7 +4,8 @@ Read in this order: :mod:`.parallel_gpt` (this rank's piece of the model: which 
 lecture cuts each parameter, and which group averages its gradient), :mod:`.train` (the step:
 data slices, pipeline, gradient synchronisation, Adam; the bytes each axis moves, measured and
 by formula), :mod:`.estimate` (a planner's estimate of one rank's bytes: exercise 5c.3),
-:mod:`.workers` (rank functions for ``run_world``), then ``scripts/train_composed.py`` (the same
+:mod:`.zero` (ZeRO-1/2 over the dp_cp ranks, lecture 3's optimizer), :mod:`.workers` (rank
+functions for ``run_world``), then ``scripts/train_composed.py`` (the same
 under ``torchrun``).  :mod:`.cases` computes what exercises 5c.2 and 5c.3 are checked on.
 
 Every axis is the lecture's own layer, reused: tensor (reference.tensor), context
@@ -17,9 +18,10 @@ from .train import (axis_of, expected_bytes, global_loss, local_batch, measured_
                     train_step)
 from .estimate import step_bytes
 from .workers import Adam, build, fit, size_errors, train_worker
+from .zero import ComposedZero, zero_bytes
 
 __all__ = ["SIZE_KEYS", "ParallelGPT", "ComposedBlock", "ContextParallelAttention", "ExpertParallelMLP",
            "AuxLossAutoScaler", "Shard",
            "check_sizes", "padded_vocab", "full_state_dict", "local_batch", "sync_gradients", "train_step", "step_bytes",
            "global_loss", "axis_of", "measured_bytes", "param_counts", "expected_bytes", "build", "fit",
-           "train_worker", "size_errors", "Adam"]
+           "train_worker", "size_errors", "Adam", "ComposedZero", "zero_bytes"]

@@ -88,7 +88,7 @@ SIZE_KEYS = ("dp", "tp", "pp", "cp", "ep")
 
 
 def check_sizes(cfg: GPTConfig, sizes: dict, world_size: int, batch_size: int, *, sequence_parallel: bool = False,
-                num_microbatches: int = 1) -> RankGrid:
+                num_microbatches: int = 1, zero: int = 0) -> RankGrid:
     """The :class:`RankGrid` of ``sizes`` for ``cfg``, or ValueError naming the size that does not fit.
 
     Pure arithmetic on arguments every rank has, so every rank raises the same error before any
@@ -119,6 +119,8 @@ def check_sizes(cfg: GPTConfig, sizes: dict, world_size: int, batch_size: int, *
         raise ValueError(f"{num_microbatches} micro-batches must divide the {batch_size // dp} sequences of a dp rank")
     if pp == 1 and num_microbatches != 1:
         raise ValueError("num_microbatches is the pipeline's m: it needs pp > 1")
+    if zero not in (0, 1, 2):
+        raise ValueError(f"zero={zero!r}: the composed run takes ZeRO stage 0 (none), 1 or 2 (compose.zero)")
     if sequence_parallel and tp > 1 and (cfg.seq_len // cp) % tp:
         raise ValueError(f"sequence parallelism cuts each rank's {cfg.seq_len // cp} tokens over tp={tp}")
     moe = any(cfg.is_moe(i) for i in range(cfg.layers))

@@ -70,6 +70,7 @@ from ..tensor import sync_sequence_parallel_grads
 from ..trace import COMM_OPS
 from .estimate import step_bytes
 from .parallel_gpt import ParallelGPT, padded_vocab
+from .zero import zero_bytes
 
 __all__ = ["local_batch", "sync_gradients", "train_step", "global_loss", "axis_of", "measured_bytes",
            "param_counts", "expected_bytes"]
@@ -136,7 +137,8 @@ def train_step(model: ParallelGPT, optimizer: torch.optim.Optimizer, x: torch.Te
     else:
         loss = run_pipeline(model, schedule, x, y, model.loss_fn, num_microbatches=num_microbatches,
                             group=model.groups["pp"], shapes=model.stage_shapes(x.shape[0] // num_microbatches))
-    sync_gradients(model)
+    if not getattr(optimizer, "syncs_gradients", False):     # ZeRO (compose.zero) reduces inside its step
+        sync_gradients(model)
     optimizer.step()
     return global_loss(model, loss)
 
@@ -148,6 +150,7 @@ def train_step(model: ParallelGPT, optimizer: torch.optim.Optimizer, x: torch.Te
 _TP_WHAT = {"max", "sum_exp", "target_logit"}          # vocab_parallel_cross_entropy's all-reduces
 _EP_WHAT = {"dispatch", "combine", "counts", "check_input", "dispatch.backward", "combine.backward"}
 _WHAT_AXIS = {"kv": "cp", "dkv": "cp", "dense_grads": "dp_cp", "expert_grads": "edp", "activation": "pp",
+              "grads": "dp_cp", "params": "dp_cp",                     # ZeRO's reduce and all-gather (zero.py)
               "gradient": "pp", "aux_loss": "aux", "loss": "report", "unshard": "unshard", "shape": "pp"}
 
 
@@ -217,8 +220,9 @@ def param_counts(cfg, grid, stage: int) -> tuple[int, int]:
 
 
 def expected_bytes(cfg, grid, coords: dict, batch_size: int, *, sequence_parallel: bool = False,
-                   expert_rows: int = 0, steps: int = 1, bytes_per_element: int = 8) -> dict[str, int]:
-    """Wire bytes per axis of one rank at ``coords`` over ``steps`` steps (module docstring formulas).
+                   expert_rows: int = 0, steps: int = 1, bytes_per_element: int = 8, zero: int = 0) -> dict[str, int]:
+    """Wire bytes per axis of one rank at ``coords`` over ``steps`` steps (module docstring formulas;
+    ``zero`` 1 or 2: dp_cp is ZeRO's reduce and all-gather instead, :func:`.zero.zero_bytes`).
 
     expert_rows: rows this rank's experts received over those steps (routing-dependent; read it
     from the trace's ``compute`` events with ``what="experts"``).  Axes of size 1 are left out.
@@ -248,6 +252,8 @@ def expected_bytes(cfg, grid, coords: dict, batch_size: int, *, sequence_paralle
         est["pp"] = step_bytes(sizes, coords, tokens=T, d_model=d // tp, layers=L_s, dense_params=dense,
                                bytes_per_element=b)["pp"]
     out.update({axis: steps * v for axis, v in est.items()})
+    if zero and "dp_cp" in out:
+        out["dp_cp"] = steps * zero_bytes(zero, dense, grid.dp * cp, b)
     if expert and grid.dp * cp > 1:
         out["edp"] = steps * ar(grid.edp, b * expert)
     return out

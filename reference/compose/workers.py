@@ -20,6 +20,7 @@ from .. import comm
 from ..gpt import GPTConfig, TinyGPT, corpus, encode, get_batch
 from .parallel_gpt import ParallelGPT, check_sizes, full_state_dict
 from .train import train_step
+from .zero import ComposedZero
 
 __all__ = ["Adam", "build", "fit", "train_worker", "size_errors"]
 
@@ -58,23 +59,26 @@ class Adam:
 
 
 def build(sizes: dict, *, batch_size: int = 4, seed: int = 0, sequence_parallel: bool = False,
-          num_microbatches: int = 1, dtype=torch.float64, device=None, text: str | None = None, **config):
-    """(model, data) on this rank: sizes checked first (ValueError on every rank, before any message),
-    then the single-process model from ``seed``, then this rank's piece of it (on ``device``)."""
+          num_microbatches: int = 1, zero: int = 0, dtype=torch.float64, device=None, text: str | None = None,
+          **config):
+    """(model, data) on this rank: sizes (and the ZeRO stage ``fit`` will use) checked first (ValueError
+    on every rank, before any message), then the single-process model from ``seed``, then this
+    rank's piece of it (on ``device``)."""
     data, alphabet = encode(text if text is not None else corpus())
     cfg = GPTConfig(vocab=len(alphabet), **config)
     grid = check_sizes(cfg, sizes, comm.world_size(), batch_size, sequence_parallel=sequence_parallel,
-                       num_microbatches=num_microbatches)
+                       num_microbatches=num_microbatches, zero=zero)
     torch.manual_seed(seed)
     gpt = TinyGPT(cfg).to(dtype)
     return ParallelGPT(gpt, grid, sequence_parallel=sequence_parallel).to(device), data
 
 
 def fit(model: ParallelGPT, data: torch.Tensor, steps: int, *, batch_size: int = 4, lr: float = 3e-3,
-        seed: int = 0, schedule: str = "1f1b", num_microbatches: int = 1, on_step=None) -> list[float]:
+        seed: int = 0, schedule: str = "1f1b", num_microbatches: int = 1, zero: int = 0, on_step=None) -> list[float]:
     """``steps`` steps of :class:`Adam` (lr) on the batches :func:`reference.gpt.train_single` uses; the loss
-    of each (the same on every rank).  ``on_step(step, loss)`` is called after each step."""
-    opt = Adam(model.parameters(), lr=lr)
+    of each (the same on every rank).  ``zero`` 1 or 2: Adam's state sharded over dp_cp
+    (:class:`.zero.ComposedZero`).  ``on_step(step, loss)`` is called after each step."""
+    opt = ComposedZero(model, zero, Adam, lr=lr) if zero else Adam(model.parameters(), lr=lr)
     device = next(model.parameters()).device
     losses = []
     for step in range(steps):
@@ -87,7 +91,7 @@ def fit(model: ParallelGPT, data: torch.Tensor, steps: int, *, batch_size: int =
 
 def train_worker(sizes: dict, steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int = 0,
                  sequence_parallel: bool = False, schedule: str = "1f1b", num_microbatches: int = 1,
-                 params: str = "rank0", **config) -> dict:
+                 zero: int = 0, params: str = "rank0", **config) -> dict:
     """Train on the grid ``sizes`` (e.g. ``{"dp": 2, "tp": 2}``) for ``steps`` steps; every rank runs it.
 
     ``config``: GPTConfig fields, as for ``train_single``.  Returns {"losses": per step (equal on
@@ -97,9 +101,9 @@ def train_worker(sizes: dict, steps: int, *, batch_size: int = 4, lr: float = 3e
     every axis's step bytes.
     """
     model, data = build(sizes, batch_size=batch_size, seed=seed, sequence_parallel=sequence_parallel,
-                        num_microbatches=num_microbatches, **config)
+                        num_microbatches=num_microbatches, zero=zero, **config)
     losses = fit(model, data, steps, batch_size=batch_size, lr=lr, seed=seed, schedule=schedule,
-                 num_microbatches=num_microbatches)
+                 num_microbatches=num_microbatches, zero=zero)
     out = {"losses": losses, "coords": model.coords}
     if params != "none":
         full = full_state_dict(model)

@@ -1,0 +1,64 @@
+"""Lecture 5c — ZeRO on the composed grid: lecture 3's sharded optimizer over the dp_cp group.
+
+ZeRO shards what data parallelism replicates, so on a composed grid it shards over the ranks that
+hold the same tensors and average their gradients: the dp·cp ranks of ``dp_cp`` (Megatron-Core's
+distributed optimizer shards over the same data-parallel-with-context group).  Each rank keeps
+1/(dp·cp) of Adam's moments of ITS tensor/pipeline shard; tp and pp have already divided the rest::
+
+    dense parameters of this rank ──flat──▶ │ dp_cp rank 0 │ dp_cp rank 1 │ … │   (reference.data.zero)
+    stage 1: all-reduce the flat gradient, ÷ N; stage 2: reduce-scatter it, ÷ N; Adam on my
+    shard; all-gather the shards → every rank's parameters
+
+Experts are not sharded here: they are already split over ep, and after their edp sync (lecture
+5b) a plain Adam updates them.  Under sequence parallelism the replicated LayerNorm gradients are
+first summed over tp, as in :func:`.train.sync_gradients`.
+
+Bytes on dp_cp per step (S = ⌈P/N⌉ elements, P the rank's dense parameters padded to N·S):
+stage 1 sends 2(N−1)·S·b (all-reduce) + (N−1)·S·b (all-gather), 1.5× the plain all-reduce;
+stage 2 sends (N−1)·S·b + (N−1)·S·b, the same as the all-reduce (lecture 3).
+"""
+from __future__ import annotations
+
+from ..data.zero import ZeroOptimizer, shard_size
+from ..moe import sync_moe_gradients
+from ..tensor import sync_sequence_parallel_grads
+
+__all__ = ["ComposedZero", "zero_bytes"]
+
+
+class ComposedZero:
+    """The optimizer of a composed run with ZeRO ``stage`` (1 or 2) over ``model.groups["dp_cp"]``.
+
+    ``adam``: the per-element optimizer class (``reference.compose.workers.Adam``).  ``step()``
+    synchronises the gradients itself (``syncs_gradients``: train_step must not call
+    :func:`.train.sync_gradients` as well) and updates every parameter of this rank.
+    """
+
+    syncs_gradients = True
+
+    def __init__(self, model, stage: int, adam, **adam_kwargs):
+        self.model = model
+        self.dense = ZeroOptimizer(model.dense_params(), adam, stage=stage, group=model.groups["dp_cp"],
+                                   **adam_kwargs)
+        self.experts = adam(model.expert_params(), **adam_kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.dense.zero_grad(set_to_none)
+        self.experts.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        m = self.model
+        sync_sequence_parallel_grads(m.sequence_parallel_params(), group=m.groups["tp"])
+        if m.expert_params() and m.grid.dp * m.grid.cp > 1:
+            sync_moe_gradients([], m.expert_params(), dp_group=m.groups["dp_cp"], expert_dp_group=m.groups["edp"])
+        self.dense.step()
+        self.experts.step()
+
+
+def zero_bytes(stage: int, dense_params: int, n: int, bytes_per_element: int) -> int:
+    """Wire bytes one rank sends on dp_cp in one ZeRO ``stage`` step over ``n`` ranks (docstring above)."""
+    if n <= 1:
+        return 0
+    S, b = shard_size(dense_params, n), bytes_per_element
+    reduce = 2 * (n - 1) * n * S * b // n if stage == 1 else (n - 1) * n * S * b // n
+    return reduce + (n - 1) * S * b
