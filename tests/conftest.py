@@ -141,3 +141,27 @@ def nobody_who_can_run(python: str):
     except (OSError, subprocess.SubprocessError):
         return None
     return user if r.returncode == 0 else None
+
+
+# -- nbval: the notebooks' grading cells are graded elsewhere ---------------------------------------------
+
+def grading_cell(source: str) -> bool:
+    """A notebook cell that grades (``check("N.M")``, with or without ``from exercises import check``)."""
+    import re
+    lines = [ln for ln in source.strip().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return bool(lines) and all(re.fullmatch(r"\s*(from exercises import check|check\((\"[\w.]+\"(,\s*)?)*\))\s*", ln)
+                               for ln in lines) and any("check(" in ln for ln in lines)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under nbval (``make test`` runs the repository's notebooks), a grading cell is not executed: with the
+    stubs it only grades them, which ``course_grades("exercises")`` does for every exercise (the same
+    ``core.grade``, hidden checks included; tests/test_grader_reports.py), tests/test_notebook_demos.py checks
+    that every id a notebook grades is registered, and tests/test_browser.py runs a grading cell of every
+    release notebook in JupyterLab (``check`` and its summary in a notebook).  The other cells run as before."""
+    skip = pytest.mark.skip(reason="grading cell: graded by course_grades('exercises') and in the browser test")
+    for item in items:
+        cell = getattr(item, "cell", None)
+        if type(item).__module__.startswith("nbval") and cell is not None and cell.get("cell_type") == "code" \
+                and grading_cell(cell.get("source", "")):
+            item.add_marker(skip)

@@ -30,3 +30,20 @@ def test_explaining_cells_go_through_recordable_demos_not_needs(path):
     bad = [i for i, c in enumerate(book.cells) if c.cell_type == "code" and "with needs(" in c.source
            and "exercise" not in c.metadata.get("tags", [])]
     assert not bad, f"{path.name}: cells {bad} use needs(...) instead of a recordable demo"
+
+
+def test_every_exercise_a_notebook_grades_is_registered():
+    """nbval leaves the grading cells (``check("N.M")``) to the grader tests (tests/conftest.py): the ids
+    they name must be exercises the grader knows, as ``check`` would otherwise say when run."""
+    import re
+
+    registry = core.load_checks()
+    graded = []
+    for path in NOTEBOOKS:
+        for c in nbformat.read(path, as_version=4).cells:
+            if c.cell_type == "code" and "check(" in c.source:
+                for call in re.findall(r"^\s*(?:\w+\s*=\s*)?check\(([^)]*)\)", c.source, re.M):
+                    ids = re.findall(r"[\"']([\w.]+)[\"']", call)
+                    assert ids and set(ids) <= set(registry), (path.name, call)
+                    graded += ids
+    assert graded
