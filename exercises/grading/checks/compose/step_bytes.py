@@ -15,6 +15,7 @@ from ...core import CheckFailed, exercise, salted_seed
 
 H = "exercises.grading.harness"
 REF = "reference.compose.cases"
+REF_ESTIMATE = "reference.compose.estimate"
 
 __all__ = ["BYTES", "HINTS"]
 
@@ -38,7 +39,7 @@ def _world(sizes: dict) -> int:
 
 def _explain(axis: str, got, want: int, case: dict) -> str:
     s, c, T, d = case["sizes"], case["coords"], case["tokens"], case["d_model"]
-    b, L, P, m = 8, case["layers"], case["dense_params"], case["num_microbatches"]
+    b, L, P, m = case.get("bytes_per_element", 8), case["layers"], case["dense_params"], case["num_microbatches"]
     N = s["dp"] * s["cp"]
     slips = []
     if axis == "dp_cp":
@@ -111,6 +112,25 @@ def _(ctx):
         cases += [_rank_case(ctx, sizes, r, m=rng.choice([1, 3]) if sizes.get("pp") else 1, **cfg)
                   for r in sorted(rng.sample(range(W), min(W, 4)))]
     _check(ctx, cases, "odd grids")
+
+
+@BYTES.check("any numbers: random grids, token counts, widths, parameter counts and element sizes", points=1)
+def _(ctx):
+    """Not a model the planner describes: only the arithmetic of the three mechanisms answers it."""
+    from reference.mesh import RankGrid
+    rng = random.Random(salted_seed(54))
+    cases = []
+    for _ in range(6):
+        sizes = {a: rng.choice([1, 2, 3, 4]) for a in ("tp", "cp", "dp", "pp")}
+        n = _world(sizes)
+        coords = RankGrid(n, rank=rng.randrange(n), **sizes).coords()
+        args = dict(sizes=sizes, coords={a: coords[a] for a in sizes}, tokens=rng.randrange(1, 5000),
+                    d_model=sizes["tp"] * rng.randrange(1, 300), layers=rng.randrange(1, 9),
+                    dense_params=rng.randrange(1, 10**7), num_microbatches=rng.choice([1, 2, 4]),
+                    bytes_per_element=rng.choice([2, 4, 8]))
+        kw = {k: v for k, v in args.items() if k not in ("sizes", "coords")}
+        cases.append((args, ctx.oracle(f"{REF_ESTIMATE}:step_bytes", args["sizes"], args["coords"], **kw)))
+    _check(ctx, cases, "random numbers")
 
 
 HINTS = {
