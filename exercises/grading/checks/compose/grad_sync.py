@@ -97,11 +97,22 @@ def which_group(m: Mismatch) -> str | None:
     return f"{m.extra['name']} is {KIND_WORDS[m.extra['kind']]}."
 
 
+# The visible 4-rank cases: (sizes, config, sequence_parallel, seed); the reference computes them in one world.
+CASES4 = [({"dp": 2, "cp": 2}, TINY, False, 521), ({"dp": 2, "tp": 2}, TINY, True, 522),
+          ({"dp": 2, "cp": 2, "ep": 2}, dict(TINY, num_experts=4), False, 523)]
+
+
+def _case_kw(ctx, config: dict, sequence_parallel: bool, seed: int, num_microbatches: int = 1) -> dict:
+    return dict(config, sequence_parallel=sequence_parallel, seed=ctx.seed(seed) % 2**31,
+                num_microbatches=num_microbatches)
+
+
 def _sync_case(ctx, sizes: dict, config: dict, case: str, seed: int, *, sequence_parallel: bool = False,
-               num_microbatches: int = 1) -> None:
+               num_microbatches: int = 1, together: bool = False) -> None:
     from reference.mesh import RankGrid
-    data = ctx.oracle(f"{REF}:sync_case", sizes, sequence_parallel=sequence_parallel, seed=ctx.seed(seed) % 2**31,
-                      num_microbatches=num_microbatches, **config)
+    others = tuple((s, _case_kw(ctx, c, sp, sd)) for s, c, sp, sd in CASES4) if together else ()
+    data = ctx.oracle(f"{REF}:sync_case", sizes, together=others,
+                      **_case_kw(ctx, config, sequence_parallel, seed, num_microbatches))
     W = len(data["raw"])
     moe = bool(config.get("num_experts"))
     res = ctx.ranks(W, f"{H}:grad_sync_per_rank", sizes, data["raw"], data["kinds"], moe, sequence_parallel)
@@ -133,17 +144,17 @@ def _(ctx):
 @SYNC.check("dp × cp = 2 × 2 on 4 ranks: every gradient = the one-process gradient of the whole batch", points=3,
             timeout=120)
 def _(ctx):
-    _sync_case(ctx, {"dp": 2, "cp": 2}, TINY, "dp=2, cp=2", 521)
+    _sync_case(ctx, *CASES4[0][:2], "dp=2, cp=2", 521, together=True)
 
 
 @SYNC.check("dp × tp = 2 × 2 with sequence parallelism: LayerNorms and row biases too", points=2, timeout=120)
 def _(ctx):
-    _sync_case(ctx, {"dp": 2, "tp": 2}, TINY, "dp=2, tp=2, sequence parallel", 522, sequence_parallel=True)
+    _sync_case(ctx, *CASES4[1][:2], "dp=2, tp=2, sequence parallel", 522, sequence_parallel=True, together=True)
 
 
 @SYNC.check("dp × cp × ep = 2 × 2 × 2 (edp 2), MoE: experts over edp, the rest over dp_cp", points=2, timeout=120)
 def _(ctx):
-    _sync_case(ctx, {"dp": 2, "cp": 2, "ep": 2}, dict(TINY, num_experts=4), "dp=2, cp=2, ep=2, MoE", 523)
+    _sync_case(ctx, *CASES4[2][:2], "dp=2, cp=2, ep=2, MoE", 523, together=True)
 
 
 HINTS = {
