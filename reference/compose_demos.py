@@ -81,7 +81,7 @@ RUNS = {
 
 
 @recordable("05c.composed_runs", needs=COMPOSED_NEEDS)
-def composed_runs(steps: int = 20, microbatches: int = 2, batch_size: int = 4, lr: float = 1e-2, layers: int = 4,
+def composed_runs(steps: int = 12, microbatches: int = 2, batch_size: int = 4, lr: float = 1e-2, layers: int = 4,
                   d_model: int = 32, heads: int = 4, d_ff: int = 64, seq_len: int = 16, num_experts: int = 4,
                   world=None) -> dict:
     """Train the tiny GPT (float64) for ``steps`` steps on 8 ranks twice — 3D dp×tp×pp = 2×2×2 (dense)
