@@ -1,0 +1,92 @@
+"""Lecture 5c — the parallelism planner: where does a model run out of room, and what composition fixes it?
+
+Read in this order: :mod:`.model` (the three inputs, and the course's tiny GPT described with them),
+:mod:`.counts` (the formulas below, one device at a time), :mod:`.plan` (one composition's plan,
+and the search).  Every name is importable from ``reference.planner``.
+
+Pure arithmetic on three dataclasses: a :class:`Model`, a :class:`Cluster` and a
+:class:`Composition` (dp × tp × pp × cp, ep for the experts, ZeRO stage, recomputation,
+micro-batches).  :func:`plan` gives a :class:`Plan`: memory per device, bytes per step per axis
+and their time on the links the rank grid puts them on, the pipeline bubble, the compute time, an
+estimated step time and the resource that runs out first.  :func:`search` tries every composition
+that fits and ranks them by estimated step time.  Symbols (Korthikanti et al. arXiv:2205.05198):
+
+    s sequence length   b micro-batch (sequences)   h hidden   a heads   L layers   V vocabulary
+    t tp   p pp   c cp   d dp   e ep   m micro-batches per step   Ψ parameters (of one device)
+
+Memory per device (bytes)
+    model states (ZeRO arXiv:1910.02054, mixed-precision Adam: 2 + 2 + K bytes, K = 12):
+        stage 0  (2 + 2 + K)·Ψ      stage 1  (2 + 2)·Ψ + K·Ψ/N      stage 2  2·Ψ + (2 + K)·Ψ/N
+        stage 3  (2 + 2 + K)·Ψ/N    N = dp·cp for dense parameters, edp for experts
+      Ψ counts what the device holds: its layers' matrices (and the biases of column-parallel
+      layers) ÷ t, the norms, the biases after row-parallel layers and the router whole (every
+      tensor rank holds a copy), its stage's embedding and head rows (the vocabulary padded to a
+      multiple of t, as Megatron does) and position table / final norm; experts ÷ (e·t).
+    activations per layer (Korthikanti §4, fp16, with dropout):
+        s·b·h·34 + 5·a·s²·b                       no parallelism
+        s·b·h·(10 + 24/t) + 5·a·s²·b/t            tensor parallel
+        (s·b·h·34 + 5·a·s²·b)/t                   tensor + sequence parallel
+        s·b·h·34/t                                + selective recomputation (or flash attention)
+        2·s·b·h/t                                 full recomputation (layer inputs only)
+      with context parallelism every s·b·h term uses s/c and the score term a·(s/c)·s·b; 1F1B
+      keeps min(m, p − stage) micro-batches of the stage's layers alive (the first stage: min(m, p)).
+      MoE layers: the experts' FFN internals for k·cf·s·b tokens, and the dispatched tokens (the
+      experts' input) and the experts' output (for the gate's gradient), k·cf·s·b·h each.
+      ``Model.stats_bytes`` > 0 also counts what Korthikanti leaves out: the norms' per-token
+      statistics (LayerNorm mean and 1/σ, RMSNorm 1/rms), flash attention's log-sum-exp (a per
+      token) and the router's probabilities and gate weights (E + k per token).
+    output layer ("logits", last stage; Korthikanti §4.3): the final norm's and the head's inputs
+      (s·b·h each, ÷ t with SP) and the loss's logits, loss_bytes·s·b·V/t (fp32); the first stage
+      adds the embedding's dropout mask (s·b·h, ÷ t with SP).
+Communication per device per step (ring algorithms; what one device sends)
+    dp    gradient all-reduce 2(N−1)/N · Ψ · bytes (ZeRO-1/2 the same: reduce-scatter + all-gather;
+          ZeRO-3 1.5×: parameters gathered again for the backward)
+    tp    per micro-batch, each an all-reduce (or all-gather + reduce-scatter with SP, the same
+          bytes) of 2(t−1)/t · s·b·h/c · bytes: 4 per dense layer (6 with full recomputation),
+          2 + 2·k·cf per MoE layer (each expert is cut over tp like the MLP: f and g on its
+          k·cf·s·b rows at perfect balance), 1 for the vocabulary-parallel embedding (first
+          stage), 1 for the head and 3 all-reduces of one number per token for the vocabulary-
+          parallel cross-entropy (last stage, loss_bytes each); with SP, once per step, the
+          all-reduce of the replicated parameters' gradients (each tp rank saw s/t rows)
+    pp    one activation forward and one gradient back per micro-batch per stage boundary
+    cp    ring attention: K and V blocks pass c−1 times forward, K,V and dK,dV c−1 times backward
+    ep    4 all-to-alls per MoE layer per micro-batch (dispatch, combine, and their backward),
+          each sending (e−1)/e of k·tokens·h (perfect balance); ``Plan.ep_payload`` is what the
+          dispatch and the combine's backward are handed, k·cf·tokens·h each, routing-independent
+Time: compute = FLOPs / (devices · peak · MFU), FLOPs = (6·N_active + 6·L·s·h)·tokens (Kaplan et al.
+arXiv:2001.08361; 8 instead of 6 with full recomputation: one more forward), stretched by the bubble (p−1)/(v·m + p−1);
+tp, pp and ep traffic is in the critical path; dp traffic overlaps the backward (2/3 of the
+compute) and cp traffic the attention compute (6·L·s·h per token): only what exceeds them is exposed.  A group's link is the intra-node one if the rank grid
+(reference.mesh) keeps every group of that axis inside a node, else the inter-node one.
+
+Which device.  ``plan(..., stage=k)`` describes the ranks of pipeline stage k (layers split as
+``reference.pipeline.balanced_sizes``: contiguous, larger stages first; layer i is a MoE layer when
+i % moe_every = moe_every − 1).  The default, ``stage=None``, takes every entry from the stage
+where it is largest (states from the stage with the most parameters, activations from the first,
+the output layer from the last, bytes per axis from the busiest stage): an upper bound for every
+device.
+
+Bytes are what one device SENDS with the ring algorithms above; ``reference.trace`` records the
+payload a rank hands to each collective (an all-reduce of n bytes is one event of n bytes), so a
+comparison with a measured run converts with the same 2(N−1)/N factors.
+
+Validated on the tiny GPT (``tests/test_planner_measured.py``, :func:`tiny_gpt`, real gloo runs):
+bytes per axis per step exactly, parameters, gradients and optimizer state exactly, activations
+within a few per cent (``reference.compose.memory`` says what is not counted).
+
+Not counted: temporary buffers, communication buckets, allocator fragmentation, the CUDA context,
+integer and boolean tensors saved for the backward (ids, routing indices, masks other than
+dropout's), latency of small messages, imbalance between experts.
+"""
+from __future__ import annotations
+
+from .counts import *  # noqa: F401,F403
+from .counts import _stage_params  # noqa: F401
+from .model import *  # noqa: F401,F403
+from .plan import *  # noqa: F401,F403
+from .plan import _diagnose, _divisors, _links, _stage_entries  # noqa: F401
+
+__all__ = ["Model", "Cluster", "Composition", "Plan", "param_counts", "active_params", "device_params", "stage_layers",
+           "padded_vocab", "model_state_bytes", "activation_bytes_per_layer", "output_layer_bytes", "allreduce_bytes",
+           "all_to_all_bytes", "bubble_fraction", "check_composition", "plan", "search", "with_sizes", "tiny_gpt",
+           "cpu_cluster", "GB"]

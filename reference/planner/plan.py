@@ -1,0 +1,265 @@
+"""The plan of one composition (memory, bytes and time per axis, the bubble, what runs out first),
+and the search over every composition a model and a cluster allow."""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from ..mesh import RankGrid
+from .counts import (_stage_params, activation_bytes_per_layer, active_params, allreduce_bytes, bubble_fraction,
+                     model_state_bytes, output_layer_bytes, stage_layers)
+from .model import GB, Cluster, Composition, Model
+
+__all__ = ["Plan", "check_composition", "plan", "search", "with_sizes"]
+
+
+# ---------------------------------------------------------------------------------- the plan
+
+@dataclass
+class Plan:
+    model: Model
+    cluster: Cluster
+    comp: Composition
+    micro_batches: int
+    memory: dict[str, float]            # params, grads, optimizer, activations, (recompute, logits)
+    comm_bytes: dict[str, float]        # per device per step, by axis
+    comm_time: dict[str, float]
+    link: dict[str, str]                # "intra" | "inter"
+    bubble: float
+    compute_time: float                 # without the bubble
+    step_time: float
+    bottleneck: str
+    reasons: list[str] = field(default_factory=list)
+    stage: int | None = None            # the pipeline stage described (None: the busiest of each entry)
+    ep_payload: float = 0.0             # bytes handed to the dispatch + combine-backward all-to-alls per step
+
+    @property
+    def total_memory(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total_memory <= self.cluster.memory
+
+    def summary(self) -> str:
+        mem = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.memory.items())
+        com = ", ".join(f"{k} {self.comm_bytes[k] / GB:.2f} GB/{self.comm_time[k]:.2f}s {self.link[k]}"
+                        for k in self.comm_bytes)
+        return (f"{self.comp}: {self.total_memory / GB:.1f} of {self.cluster.memory / GB:.0f} GB "
+                f"({mem}); step ≈ {self.step_time:.2f} s (compute {self.compute_time:.2f} s, bubble "
+                f"{self.bubble:.0%}; {com or 'no communication'}); runs out first: {self.bottleneck}")
+
+
+def check_composition(model: Model, cluster: Cluster, comp: Composition) -> None:
+    """ValueError naming the sizes when the composition cannot be built for this model and cluster."""
+    if model.hidden % model.heads or model.heads % model.kv_heads:
+        raise ValueError(f"hidden={model.hidden} must divide into heads={model.heads}, and heads into "
+                         f"kv_heads={model.kv_heads} groups")
+    if comp.recompute not in ("none", "selective", "full") or comp.zero not in (0, 1, 2, 3):
+        raise ValueError(f"recompute={comp.recompute!r} (none, selective, full), zero={comp.zero} (0–3)")
+    n = comp.dp * comp.tp * comp.pp * comp.cp
+    if n != cluster.devices:
+        raise ValueError(f"dp·tp·pp·cp = {comp.dp}·{comp.tp}·{comp.pp}·{comp.cp} = {n} "
+                         f"but the cluster has {cluster.devices} devices")
+    if model.heads % comp.tp or model.kv_heads % comp.tp and comp.tp % model.kv_heads:
+        raise ValueError(f"tp={comp.tp} must divide heads={model.heads} (and kv_heads={model.kv_heads} "
+                         "divide or be divided by it)")
+    if comp.pp * comp.virtual_stages > model.layers:
+        raise ValueError(f"pp={comp.pp} × virtual_stages={comp.virtual_stages} is more than layers={model.layers}")
+    if comp.cp > 1 and model.seq_len % (2 * comp.cp):
+        raise ValueError(f"seq_len={model.seq_len} must divide into 2·cp={2 * comp.cp} zigzag chunks")
+    if comp.ep > 1 and (model.num_experts % comp.ep or (comp.dp * comp.cp) % comp.ep):
+        raise ValueError(f"ep={comp.ep} must divide num_experts={model.num_experts} "
+                         f"and dp·cp={comp.dp * comp.cp}")
+    if model.global_batch % (comp.dp * model.micro_batch):
+        raise ValueError(f"global_batch={model.global_batch} sequences do not split into dp={comp.dp} "
+                         f"× micro_batch={model.micro_batch}")
+
+
+@lru_cache(maxsize=4096)
+def _links(world: int, dp: int, tp: int, pp: int, cp: int, ep: int, per_node: int) -> dict[str, str]:
+    grid = RankGrid(world, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    return {axis: ("inter" if grid.crosses_nodes(axis, per_node) else "intra")
+            for axis in ("dp_cp", "tp", "pp", "cp", "ep", "edp")}
+
+
+def _stage_entries(model: Model, comp: Composition, m: int, n_layers: int, n_moe: int, first: bool, last: bool
+                   ) -> tuple[dict, dict, float]:
+    """Memory (activations for ONE micro-batch in flight) and bytes per axis of one device of a stage."""
+    t, p, c, e = comp.tp, comp.pp, comp.cp, comp.ep
+    s, b, h = model.seq_len, model.micro_batch, model.hidden
+    sp = comp.sequence_parallel and t > 1
+    dense, experts, replicated = _stage_params(model, t, e, n_layers, n_moe, first, last)
+    kw = dict(param_bytes=model.param_bytes, grad_bytes=model.grad_bytes, optimizer_bytes=model.optimizer_bytes)
+    states = model_state_bytes(dense, comp.zero, comp.dp * c, **kw)
+    if experts:
+        for k, v in model_state_bytes(experts, comp.zero, comp.dp * c // e, **kw).items():
+            states[k] += v
+    akw = dict(tp=t, cp=c, sequence_parallel=comp.sequence_parallel, flash=comp.flash)
+    per_mb = ((n_layers - n_moe) * activation_bytes_per_layer(model, recompute=comp.recompute, **akw)
+              + n_moe * activation_bytes_per_layer(model, recompute=comp.recompute, moe=True, **akw))
+    if first and model.dropout:                 # the embedding's dropout mask
+        per_mb += s / c * b * h / (t if comp.sequence_parallel else 1)
+    memory = dict(states, activations=per_mb)
+    if comp.recompute == "full":        # one layer's activations rebuilt during its backward
+        memory["recompute"] = activation_bytes_per_layer(model, recompute="none", moe=n_moe > 0, **akw)
+    if last:
+        memory["logits"] = output_layer_bytes(model, tp=t, cp=c, sequence_parallel=comp.sequence_parallel)
+    # --- bytes per device per step
+    e_b, g_b = model.act_bytes, model.grad_bytes
+    n_dp = comp.dp * c
+    zero3 = 1.5 if comp.zero == 3 else 1.0
+    comm = {"dp": zero3 * allreduce_bytes(dense * g_b, n_dp) if n_dp > 1 else 0.0}
+    if experts and n_dp // e > 1:
+        comm["edp"] = zero3 * allreduce_bytes(experts * g_b, n_dp // e)
+    kcf = model.top_k * model.capacity_factor
+    if t > 1:
+        fwd_dense, fwd_moe = 2, 1 + kcf                 # forward collectives (repeated by full recomputation)
+        again = 1 if comp.recompute == "full" else 0
+        per_layer = (n_layers - n_moe) * fwd_dense * (2 + again) + n_moe * fwd_moe * (2 + again)
+        act = allreduce_bytes(s / c * b * h * e_b, t)
+        loss = 3 * allreduce_bytes(s / c * b * model.loss_bytes, t) if last else 0.0
+        comm["tp"] = m * (act * (per_layer + first + last) + loss) \
+            + (allreduce_bytes(replicated * g_b, t) if sp else 0.0)
+    if p > 1:
+        boundary = s / c * b * h * e_b / (t if comp.sequence_parallel else 1)
+        comm["pp"] = ((not first) + (not last)) * m * boundary
+    if c > 1:
+        kv_block = 2 * s / c * b * model.kv_heads * (h // model.heads) * e_b / t
+        passes = 4 if comp.recompute == "full" else 3
+        comm["cp"] = passes * (c - 1) * n_layers * m * kv_block
+    payload = 0.0
+    if e > 1 and n_moe:
+        tokens = s / c * b / (t if comp.sequence_parallel else 1)
+        payload = 2 * n_moe * m * kcf * tokens * h * e_b
+        comm["ep"] = 2 * payload * (e - 1) / e
+    return memory, {k: v for k, v in comm.items() if v > 0}, payload
+
+
+def plan(model: Model, cluster: Cluster, comp: Composition, *, stage: int | None = None) -> Plan:
+    """Memory, communication, time and the first resource to run out, for one composition.
+
+    ``stage``: describe one device of that pipeline stage; None (default): each entry from the
+    stage where it is largest (see the module docstring).
+    """
+    check_composition(model, cluster, comp)
+    t, p, c, e = comp.tp, comp.pp, comp.cp, comp.ep
+    m = comp.micro_batches or model.global_batch // (comp.dp * model.micro_batch)
+    s, h = model.seq_len, model.hidden
+    if stage is not None and not 0 <= stage < p:
+        raise ValueError(f"stage={stage} is not one of the pp={p} stages")
+    # --- memory and bytes, stage by stage (stages with the same layers give the same entries)
+    seen: dict[tuple, tuple] = {}
+    memory: dict[str, float] = {}
+    comm: dict[str, float] = {}
+    payload, best_states = 0.0, -1.0
+    for k in (range(p) if stage is None else (stage,)):
+        n, moe = stage_layers(model, p, k)
+        key = (n, moe, k == 0, k == p - 1)
+        if key not in seen:
+            seen[key] = _stage_entries(model, comp, m, *key)
+        mem_k, comm_k, payload_k = seen[key]
+        mem_k = dict(mem_k, activations=mem_k["activations"] * min(m, p - k))      # 1F1B: micro-batches in flight
+        states = mem_k["params"] + mem_k["grads"] + mem_k["optimizer"]
+        if states > best_states:
+            best_states = states
+            memory.update({x: mem_k[x] for x in ("params", "grads", "optimizer")})
+        for x in ("activations", "recompute", "logits"):
+            if x in mem_k:
+                memory[x] = max(memory.get(x, 0.0), mem_k[x])
+        for x, v in comm_k.items():
+            comm[x] = max(comm.get(x, 0.0), v)
+        payload = max(payload, payload_k)
+    memory = {x: memory[x] for x in ("params", "grads", "optimizer", "activations", "recompute", "logits")
+              if x in memory}
+    comm = {x: comm[x] for x in ("dp", "edp", "tp", "pp", "cp", "ep") if x in comm}
+    links = _links(cluster.devices, comp.dp, t, p, c, e, cluster.devices_per_node)
+    axis_link = dict(dp=links["dp_cp"], edp=links["edp"], tp=links["tp"], pp=links["pp"], cp=links["cp"],
+                     ep=links["ep"])
+    link = {k: axis_link[k] for k in comm}
+    comm_time = {k: v / (cluster.intra_bw if link[k] == "intra" else cluster.inter_bw) for k, v in comm.items()}
+    # --- compute and the step
+    tokens = model.global_batch * s
+    n_act = active_params(model)
+    flops = (8 if comp.recompute == "full" else 6) * (n_act + model.layers * s * h) * tokens
+    compute = flops / (cluster.devices * cluster.flops * cluster.mfu)
+    bubble = bubble_fraction(p, m, comp.virtual_stages) if p > 1 else 0.0
+    busy = compute / (1 - bubble)
+    critical = sum(comm_time.get(k, 0.0) for k in ("tp", "pp", "ep"))
+    # gradients reduce during the backward (2/3 of the compute); K/V blocks travel during attention
+    attention = compute * model.layers * s * h / (n_act + model.layers * s * h)
+    exposed = (max(0.0, comm_time.get("dp", 0.0) + comm_time.get("edp", 0.0) - 2 / 3 * compute)
+               + max(0.0, comm_time.get("cp", 0.0) - attention))
+    step = busy + critical + exposed
+    result = Plan(model, cluster, comp, m, memory, comm, comm_time, link, bubble, compute, step, "",
+                  stage=stage, ep_payload=payload)
+    result.bottleneck, result.reasons = _diagnose(result, busy - compute, critical, exposed)
+    return result
+
+
+def _diagnose(pl: Plan, bubble_time: float, critical: float, exposed: float) -> tuple[str, list[str]]:
+    cap, mem = pl.cluster.memory, pl.memory
+    states = mem["params"] + mem["grads"] + mem["optimizer"]
+    acts = pl.total_memory - states
+    reasons = []
+    if not pl.fits:     # model states are the fixed cost: no batch size makes them fit
+        alone = states > cap
+        what = "model states (parameters, gradients, optimizer)" if alone else "activations"
+        fix = ("shard them: ZeRO over dp, tp, pp (ep for experts)" if alone else
+               "recompute, or split the sequence (tp with SP, cp), or smaller micro-batches")
+        reasons.append(f"needs {pl.total_memory / GB:.1f} GB > {cap / GB:.0f} GB per device: model states "
+                       f"{states / GB:.1f} GB, activations {acts / GB:.1f} GB; {what} run out first — {fix}")
+        return "memory: " + what, reasons
+    reasons.append(f"fits: {pl.total_memory / GB:.1f} of {cap / GB:.0f} GB")
+    times = {"compute": pl.compute_time, "pipeline bubble": bubble_time,
+             "communication in the critical path (tp/pp/ep)": critical,
+             "communication not hidden by compute (dp/cp)": max(0.0, exposed)}
+    worst = max(times, key=times.get)
+    for k, v in sorted(times.items(), key=lambda kv: -kv[1]):
+        if v > 0:
+            reasons.append(f"{k}: {v:.3g} s")
+    return ("time: " + worst), reasons
+
+
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
+
+
+def search(model: Model, cluster: Cluster, *, zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"),
+           flash: bool = False, max_tp: int | None = None, virtual_stages: int = 1, min_tokens_per_rank: int = 0,
+           top: int = 10) -> tuple[list[Plan], list[Plan]]:
+    """Every composition this model and cluster allow: (the ``top`` that fit, fastest first;
+    the ``top`` that do not, least memory first).
+
+    Sizes are powers of two, tp at most ``max_tp`` (default: one node).  The estimate does not
+    model kernel efficiency at small shapes, so it over-rewards cutting the sequence into tiny
+    pieces; ``min_tokens_per_rank`` (tokens of a sequence per context rank, s/cp) stands in for it.
+    """
+    ok, bad = [], []
+    max_tp = max_tp or cluster.devices_per_node
+    pow2 = [2 ** i for i in range(int(math.log2(cluster.devices)) + 1)]
+    for tp, pp, cp in itertools.product(pow2, pow2, pow2):
+        if tp > max_tp or cluster.devices % (tp * pp * cp) or model.seq_len / cp < min_tokens_per_rank:
+            continue
+        dp = cluster.devices // (tp * pp * cp)
+        eps = [e for e in _divisors(dp * cp) if model.num_experts > 1 and model.num_experts % e == 0] or [1]
+        for ep, zero, rec in itertools.product(eps, zero_stages, recompute):
+            if flash and rec == "selective":    # flash attention already keeps no scores: the same plan
+                continue
+            comp = Composition(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, recompute=rec, flash=flash,
+                               virtual_stages=virtual_stages)
+            try:
+                pl = plan(model, cluster, comp)
+            except ValueError:
+                continue
+            (ok if pl.fits else bad).append(pl)
+    ok.sort(key=lambda q: (q.step_time, q.total_memory))
+    bad.sort(key=lambda q: q.total_memory)
+    return ok[:top], bad[:top]
+
+
+def with_sizes(comp: Composition, **kw) -> Composition:
+    """A copy of ``comp`` with some fields changed (for widgets and notebooks)."""
+    return replace(comp, **kw)
