@@ -37,89 +37,12 @@ Not counted (reported separately where measured, so the gaps are visible):
 """
 from __future__ import annotations
 
-import weakref
-
-import torch
-
 from ..gpt import GPTConfig, corpus, encode, get_batch
+from ..saved import SavedTensorMeter
 from .train import measured_bytes, train_step
 from .workers import Adam, build
 
 __all__ = ["SavedTensorMeter", "measure_worker", "planner_inputs", "planner_vs_measured", "state_bytes"]
-
-
-def _storage(t: torch.Tensor):
-    s = t.untyped_storage()
-    return (t.device.type, s.data_ptr()), s.nbytes()
-
-
-class SavedTensorMeter:
-    """Context manager: the live and peak bytes of the distinct storages autograd saves for the backward.
-
-    ``exclude``: tensors whose storages are not activations (the parameters and buffers).  A
-    storage counts from the first time a tensor on it is saved until the last saved tensor on it
-    is released (autograd frees saved tensors as each node's backward runs).  Floating-point
-    storages go to ``peak`` / ``live``; integer and boolean ones to ``peak_other`` / ``live_other``.
-    ``detail``: also keep (shape, dtype, bytes) of every first save of a storage, in order.
-    """
-
-    def __init__(self, exclude=(), *, detail: bool = False):
-        self._skip = {_storage(t)[0] for t in exclude}
-        self._refs: dict = {}
-        self.live = self.peak = self.live_other = self.peak_other = 0
-        self.saves = 0
-        self.detail = [] if detail else None
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._hooks.__exit__(*exc)
-
-    def _pack(self, t: torch.Tensor):
-        key, nbytes = _storage(t)
-        if key in self._skip:
-            return t
-        self.saves += 1
-        floating = t.is_floating_point() or t.is_complex()
-        n = self._refs.get(key, (0, 0, floating))[0]
-        self._refs[key] = (n + 1, nbytes, floating)
-        if n == 0:
-            if floating:
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
-            else:
-                self.live_other += nbytes
-                self.peak_other = max(self.peak_other, self.live_other)
-            if self.detail is not None:
-                self.detail.append((tuple(t.shape), str(t.dtype).replace("torch.", ""), nbytes))
-        holder = _Saved(t)
-        weakref.finalize(holder, self._release, key)
-        return holder
-
-    @staticmethod
-    def _unpack(holder):
-        return holder.tensor if isinstance(holder, _Saved) else holder
-
-    def _release(self, key) -> None:
-        n, nbytes, floating = self._refs[key]
-        if n > 1:
-            self._refs[key] = (n - 1, nbytes, floating)
-            return
-        del self._refs[key]
-        if floating:
-            self.live -= nbytes
-        else:
-            self.live_other -= nbytes
-
-
-class _Saved:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
 
 
 def state_bytes(model, optimizer: Adam) -> dict[str, int]:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..recorded import live_world, recordable
+from ..saved import saved_bytes
 from .blocks import MLP, Block, ParallelBlock, ParallelMLP, sync_sequence_parallel_grads
 from .costs import collectives
 from .vocab import vocab_parallel_cross_entropy
@@ -81,23 +82,6 @@ def mlp_run(tp: int = 2, sequence_parallel: bool = False, S: int = 4, d_model: i
 # A transformer block: collectives and memory per rank
 
 
-def _saved_bytes(fn, params) -> int:
-    """Bytes of the tensors autograd saves for the backward while ``fn`` runs (parameters excluded)."""
-    ptrs = {p.untyped_storage().data_ptr() for p in params}
-    seen, total = set(), 0
-
-    def pack(t):
-        nonlocal total
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in ptrs and ptr not in seen:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return total
-
-
 def block_worker(tp: int, sequence_parallel: bool, S: int, B: int, d_model: int, heads: int) -> dict:
     group = tp_group(tp)
     torch.manual_seed(0)
@@ -107,7 +91,7 @@ def block_worker(tp: int, sequence_parallel: bool, S: int, B: int, d_model: int,
     xin = (_rows(x, tp, group) if sequence_parallel else x).clone().requires_grad_()
     params = list(pb.parameters())
     out = {}
-    act = _saved_bytes(lambda: out.setdefault("y", pb(xin)), params)
+    act = saved_bytes(lambda: out.setdefault("y", pb(xin)), params)
     out["y"].backward(torch.ones_like(out["y"]))
     return {"param_bytes": sum(p.numel() * p.element_size() for p in params), "activation_bytes": act}
 
