@@ -115,13 +115,9 @@ def _average_flat(params, group) -> None:
     """Average the ``.grad`` of ``params`` over ``group`` with one all-reduce of their concatenation
     (one message per step instead of one per tensor: what DDP's buckets buy, lecture 3)."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, group=group, what="dense_grads")
-    flat /= comm.world_size(group)
-    for g, new in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(new.view_as(g))
+    comm.all_reduce_coalesced(grads, group=group, what="dense_grads")
+    for g in grads:
+        g /= comm.world_size(group)
 
 
 def global_loss(model: ParallelGPT, loss: torch.Tensor | None) -> float:

@@ -227,12 +227,4 @@ class ParallelBlock(nn.Module):
 def sync_sequence_parallel_grads(params, group=None) -> None:
     """Sum (in place) the gradients of replicated parameters that saw only this rank's sequence rows
     (LayerNorm weights and biases, row-parallel biases) over the tensor-parallel ``group``."""
-    if comm.world_size(group) == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, group=group, operator="sp-grad-sync", direction="backward")
-    for g, new in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(new.view_as(g))
+    comm.all_reduce_coalesced([p.grad for p in params], group=group, operator="sp-grad-sync", direction="backward")
