@@ -81,7 +81,9 @@ def bubble_fraction(name: str, num_stages: int, num_microbatches: int, *, virtua
     name: "gpipe", "1f1b", "interleaved_1f1b" (v = ``virtual_stages`` chunks per rank) or "zb_h1".
     With every F, B (and W) one slot: idle slots / (p × the slots from the first start to the last end),
     which :func:`simulate` + :func:`measured_bubble` on :func:`schedule` measure (notebook 04b
-    derives each case).  Raises ValueError for what :func:`schedule` refuses.
+    derives each case).  Raises ValueError for what :func:`schedule` refuses: an unknown name;
+    p, m or v not an integer ≥ 1; interleaved_1f1b with v < 2 or m not a multiple of p; v ≠ 1
+    with any other schedule; 1f1b or zb_h1 with m < p.
     """
     raise NotImplementedError(
         'Exercise 4.6 (bubble_fraction): Count in slots. While the first micro-batch travels down and the last '

@@ -68,7 +68,7 @@ def get_batch(data: torch.Tensor, step: int, batch_size: int, seq_len: int, seed
     A pure function of (seed, step): every rank can rebuild it and take its own rows (data
     parallel) or columns (context parallel).
     """
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2 ** 63)
     starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=g)
     x = torch.stack([data[s:s + seq_len] for s in starts.tolist()])
     y = torch.stack([data[s + 1:s + seq_len + 1] for s in starts.tolist()])

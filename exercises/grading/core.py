@@ -55,13 +55,29 @@ class Exercise:
     module: str                 # learner module inside the solutions package: "collectives"
     functions: Sequence[str]    # the names the exercise asks for
     checks: list[Check] = field(default_factory=list)
-    # communication the exercise's worlds offer (None: all); e.g. ("p2p",) when the exercise is to
-    # build a collective from messages (see exercises.grading.allowed_comm)
+    # What the learner must write, and so what the exercise's runner and ranks switch off:
+    # communication the learner's code may use (None: all); e.g. ("p2p",) when the exercise is to
+    # build a collective from messages (see exercises.grading.allowed_comm) ...
     comm: tuple[str, ...] | None = None
+    # ... at most this many elements per call of a checked family ({"all_reduce": 16}) ...
+    limits: dict[str, int] = field(default_factory=dict)
+    # ... families only the given code may use (DataParallel broadcasts the first parameters) ...
+    driver_comm: tuple[str, ...] = ()
+    # ... production libraries that would stand in for the work (exercises.grading.shortcuts) ...
+    shortcuts: tuple[str, ...] = ()
+    # ... and given functions that compute the answer by another road ("module:qualname").
+    mirrors: tuple[str, ...] = ()
 
     @property
     def points(self) -> float:
         return sum(c.points for c in self.checks)
+
+    def lockdown(self) -> dict:
+        """What the runner and every rank apply before the learner's module is imported (plain
+        values: the runner receives them pickled)."""
+        return {"exercise": self.id, "comm": self.comm, "limits": dict(self.limits),
+                "driver_comm": tuple(self.driver_comm), "shortcuts": tuple(self.shortcuts),
+                "mirrors": tuple(self.mirrors)}
 
     def check(self, name: str, points: float = 1.0, timeout: float = 60.0, hidden: bool = False,
               requires_value: bool = False):
@@ -83,10 +99,15 @@ HIDDEN_MODULES = ["exercises.grading.hidden"]   # teachers' checks; left out of 
 
 
 def exercise(id: str, title: str, module: str, functions: Sequence[str], *,
-             comm: Sequence[str] | None = None) -> Exercise:
+             comm: Sequence[str] | None = None, limits: dict[str, int] | None = None,
+             driver_comm: Sequence[str] = (), shortcuts: Sequence[str] = (), mirrors: Sequence[str] = ()) -> Exercise:
+    """Register an exercise: its id, title, learner module and the functions it asks for, and
+    what the learner must write themselves (see :class:`Exercise`)."""
     if id in EXERCISES:
         return EXERCISES[id]
-    EXERCISES[id] = ex = Exercise(id, title, module, list(functions), comm=None if comm is None else tuple(comm))
+    EXERCISES[id] = ex = Exercise(id, title, module, list(functions), comm=None if comm is None else tuple(comm),
+                                  limits=dict(limits or {}), driver_comm=tuple(driver_comm),
+                                  shortcuts=tuple(shortcuts), mirrors=tuple(mirrors))
     return ex
 
 
@@ -243,11 +264,14 @@ def fresh_inputs(secret: bytes | None = None) -> None:
 
 
 def salted_seed(n: int) -> int:
-    """``n`` itself, or (after :func:`fresh_inputs`) a 63-bit seed derived from the secret and ``n``."""
+    """``n`` itself, or (after :func:`fresh_inputs`) a 31-bit seed derived from the secret and ``n``.
+
+    31 bits, like the published seeds, so that the arithmetic drivers do with a seed (``seed ·
+    1_000_003 + step``) stays inside the 64-bit integer ``torch.Generator.manual_seed`` takes."""
     if _SALT is None:
         return int(n)
     import hashlib
-    return int.from_bytes(hashlib.sha256(_SALT + str(int(n)).encode()).digest()[:8], "little") >> 1
+    return int.from_bytes(hashlib.sha256(_SALT + str(int(n)).encode()).digest()[:8], "little") >> 33
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,9 +322,10 @@ class Context:
         """
         run_timeout = min(x for x in (timeout, world_timeout, self.timeout) if x)
         budget = run_timeout + START_ALLOWANCE + 2 * world_size
-        if self.exercise.comm is not None:   # only the communication the exercise is about
-            args = (self.exercise.comm, self.exercise.id, harness, *args)
-            harness = "exercises.grading.harness:with_allowed_comm"
+        # every rank first switches off what the exercise's learner may not use, restores the
+        # given code, and afterwards checks that the learner's code left it alone
+        args = (self.exercise.lockdown(), harness, *args)
+        harness = "exercises.grading.harness:guarded"
         reply = self.runner.call(("ranks", world_size, harness, self.module, args, run_timeout), budget)
         self._raise_on_error(reply)
         return RanksResult(reply["values"], reply["trace"], reply.get("output", ""))
@@ -328,6 +353,8 @@ class Context:
                              "receiver that is itself sending. Post sends and receives together "
                              "(comm.exchange / batch_isend_irecv).")
             raise CheckTimedOut("\n".join(lines))
+        if err.get("type") == "Tampered":
+            raise CheckFailed(err.get("message", "your code changed the course's given code."))
         if err.get("type") == "SystemExit":
             where = f" on rank {err['rank']}" if err.get("rank") is not None else ""
             raise CheckFailed(f"your code called sys.exit({err.get('message')}){where}: exiting never passes a "

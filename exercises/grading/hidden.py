@@ -13,6 +13,8 @@ that a student who passes every visible check for the right reasons passes these
 """
 from __future__ import annotations
 
+import random
+
 import torch
 
 from .core import EXERCISES, hidden_check, salted_seed
@@ -108,19 +110,25 @@ if "4.3" in EXERCISES:
 if "4.4" in EXERCISES:
     from .checks import pipeline as _pipeline
 
-    @hidden_check("4.4", "6 stages, 11 micro-batches: every stage's order")
+    @hidden_check("4.4", "6 to 8 stages, more micro-batches than stages: every stage's order")
     def _(ctx):
-        _pipeline._order_case(ctx, 6, 11)
+        rng = random.Random(salted_seed(404))
+        p = rng.randint(6, 8)
+        _pipeline._order_case(ctx, p, rng.randint(p + 1, 3 * p))
 
-    @hidden_check("4.5", "3 stages, uneven split (2, 1, 3 blocks), GPipe, m = 3, another seed",
-                  timeout=_pipeline.RANKS_TIMEOUT)
+    @hidden_check("4.5", "3 stages, an uneven split, GPipe, m = 3, another model", timeout=_pipeline.RANKS_TIMEOUT)
     def _(ctx):
-        _pipeline._step_case(ctx, 3, "gpipe", 3, {"layers": 6, "sizes": [2, 1, 3], "seed": 7}, "GPipe, p=3, uneven")
+        rng = random.Random(salted_seed(405))
+        sizes = [rng.randint(1, 3) for _ in range(3)]
+        _pipeline._step_case(ctx, 3, "gpipe", 3, {"layers": sum(sizes), "sizes": sizes, "seed": salted_seed(406)},
+                             f"GPipe, p=3, blocks {sizes}")
 
-    @hidden_check("4.6", "8 stages and 3 micro-batches (GPipe); 4 stages × 3 chunks, m = 12")
+    @hidden_check("4.6", "more stages than micro-batches (GPipe); 4 stages × 3 chunks")
     def _(ctx):
-        _pipeline._bubble_case(ctx, "gpipe", 8, 3)
-        _pipeline._bubble_case(ctx, "interleaved_1f1b", 4, 12, 3)
+        rng = random.Random(salted_seed(407))
+        p = rng.randint(6, 12)
+        _pipeline._bubble_case(ctx, "gpipe", p, rng.randint(1, p - 1))
+        _pipeline._bubble_case(ctx, "interleaved_1f1b", 4, 4 * rng.randint(2, 5), 3)
 
 
 if "5c.2" in EXERCISES:
@@ -135,8 +143,9 @@ if "5c.2" in EXERCISES:
 
     @hidden_check("5c.3", "cp = 4 with tp = 2, and 5 stages with 3 data replicas: every rank")
     def _(ctx):
-        cases = [_step_bytes._rank_case(ctx, {"cp": 4, "tp": 2}, r, layers=3, d_model=24, heads=4, seq_len=32,
-                                        batch=2) for r in range(8)]
-        cases += [_step_bytes._rank_case(ctx, {"pp": 5, "dp": 3}, r, m=2, layers=7, d_model=16, heads=2, seq_len=8,
-                                         batch=6) for r in (0, 4, 7, 14)]
+        rng = random.Random(salted_seed(408))
+        cases = [_step_bytes._rank_case(ctx, {"cp": 4, "tp": 2}, r, layers=rng.randint(2, 4), d_model=8 * rng.randint(2, 4),
+                                        heads=4, seq_len=8 * rng.randint(2, 4), batch=2) for r in range(8)]
+        cases += [_step_bytes._rank_case(ctx, {"pp": 5, "dp": 3}, r, m=2, layers=rng.randint(5, 8), d_model=16,
+                                         heads=2, seq_len=8, batch=6) for r in (0, 4, 7, 14)]
         _step_bytes._check(ctx, cases, "hidden grids")

@@ -41,6 +41,9 @@ STUDENT_PATHS = ["notebooks", "reference", "exercises", "scripts", "pyproject.to
 AUTOGRADER_PATHS = ["reference", "exercises", "scripts", "pyproject.toml", "README.md"]
 NEVER = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache", "oracle_answers.pt", "_recorded", ".progress.json"}
 STUDENT_LEAVE_OUT = {"exercises/grading/hidden.py", "exercises/grading/release.py"}
+# where submitted code runs as another user (sandbox.runtime_dir): not the grader's judging code either
+RUNTIME_LEAVE_OUT = STUDENT_LEAVE_OUT | {"exercises/grading/checks", "exercises/grading/core.py",
+                                         "exercises/grading/session.py", "exercises/grading/report.py"}
 
 
 def _copy_tree(paths: list[str], dest: Path, leave_out: set[str] = frozenset()) -> None:
@@ -57,7 +60,7 @@ def _copy_tree(paths: list[str], dest: Path, leave_out: set[str] = frozenset()) 
             for f in filenames:
                 p = Path(dirpath) / f
                 r = p.relative_to(ROOT).as_posix()
-                if f in NEVER or f.endswith((".pyc", ".pyo")) or r in leave_out:
+                if f in NEVER or f.endswith((".pyc", ".pyo")) or any(r == x or r.startswith(x + "/") for x in leave_out):
                     continue
                 (dest / r).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(p, dest / r)
@@ -363,10 +366,33 @@ def _read_plain_file(path: Path, root: Path, limit: int = 1 << 20) -> bytes | No
         os.close(fd)
 
 
-def build_autograder(out: Path) -> Path:
-    """Build ``out/autograder.zip`` (and the unpacked ``out/bundle/``)."""
+def verify_fresh_inputs(ids=None, *, solutions: str = "reference") -> list:
+    """Grade ``solutions`` (the reference) as ``run_autograder`` grades a submission — fresh inputs
+    drawn from a new secret, hidden checks included — and raise unless it scores full marks."""
+    from . import core
+    before = core._SALT
+    core.fresh_inputs()
+    try:
+        results = core.grade(solutions, ids, include_hidden=True)
+    finally:
+        core._SALT = before
+    lost = [f"{r.exercise.id} {c.name}: {c.message.splitlines()[0] if c.message else ''}"
+            for r in results for c in r.checks if not c.passed]
+    if lost:
+        raise RuntimeError(f"{solutions} does not score full marks on fresh inputs, so no autograder bundle is "
+                           "built (honest students would lose these points):\n  " + "\n  ".join(lost))
+    return results
+
+
+def build_autograder(out: Path, *, verify_ids=None, verify_with: str = "reference") -> Path:
+    """Build ``out/autograder.zip`` (and the unpacked ``out/bundle/``) — after checking that the
+    reference scores full marks on fresh inputs (:func:`verify_fresh_inputs`; ``verify_ids``: only
+    these exercises, ``verify_with``: another package, for tests)."""
     from . import core
     core.load_checks()
+    t0 = time.perf_counter()
+    verify_fresh_inputs(verify_ids, solutions=verify_with)
+    print(f"{verify_with} scores full marks on fresh inputs ({time.perf_counter() - t0:.0f} s)")
     bundle = out / "bundle"
     if bundle.exists():
         shutil.rmtree(bundle)

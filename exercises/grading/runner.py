@@ -259,9 +259,16 @@ def main(fd: int, setup: str = "") -> None:
     torch.set_num_threads(1)
     import torch.distributed  # noqa: F401  (loaded before any learner code, and before forking ranks)
 
-    import exercises.grading.harness  # noqa: F401
+    import exercises.grading.harness as harness
+    from exercises.grading import frozen
     options = pickle.loads(bytes.fromhex(setup)) if setup else {}
     install_guard(options.get("guard", ()))
+    # What the exercise's learner may not use is switched off, and the given code frozen, before
+    # any learner code runs; the zygote (and every rank it forks) inherits both.
+    spec = options.get("lockdown") or {}
+    harness.lock(spec, in_rank=False)
+    frozen.load_given()
+    snapshot = frozen.take()
     if _world_class() is ForkedWorld:
         start_zygote()   # before any learner code or thread: its ranks start clean
     WorldError = _launch.WorldError
@@ -282,15 +289,20 @@ def main(fd: int, setup: str = "") -> None:
             break
         try:
             if req[0] == "local":
-                _, harness, module, args = req
-                value = _resolve(harness)(module, *args)
+                _, target, module, args = req
+                snapshot.restore()
+                importlib.import_module(module)      # what it changes at import is undone; while running, refused
+                snapshot.restore()
+                value = _resolve(target)(module, *args)
+                snapshot.verify()
                 reply({"value": value})
             elif req[0] == "ranks":
-                _, w, harness, module, args, tmo = req
+                _, w, target, module, args, tmo = req
                 world = worlds.get(w)
                 if world is None or not world.alive:
                     world = worlds[w] = World(w, timeout=tmo, echo=False)
-                res = world.run(_resolve(harness), module, *args, timeout=tmo)
+                snapshot.restore()
+                res = world.run(_resolve(target), module, *args, timeout=tmo)
                 reply({"values": res.values, "trace": [e.to_dict() for e in res.trace], "output": res.output[-4000:]})
             elif req[0] == "ping":
                 reply({"value": "pong"})

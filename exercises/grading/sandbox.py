@@ -50,18 +50,20 @@ class Runner:
     starts the next exercise's runner while the current one is being graded.  ``guard`` lists
     ``(reference target, learner target)`` pairs: in the runner (and its ranks) those graded
     reference functions call the learner's own code, as in the student release — a submission
-    cannot pass by calling the reference solution.
+    cannot pass by calling the reference solution.  ``lockdown`` (``Exercise.lockdown()``) is what
+    the exercise switches off before the learner's module is imported (:mod:`.shortcuts`).
     """
 
-    def __init__(self, solutions: str = "exercises", guard: Sequence[tuple[str, str]] = ()):
+    def __init__(self, solutions: str = "exercises", guard: Sequence[tuple[str, str]] = (),
+                 lockdown: dict | None = None):
         self.proc: subprocess.Popen | None = None
         self.conn = None
         self.ready = False
-        self.solutions, self.guard = solutions, list(guard)
+        self.solutions, self.guard, self.lockdown = solutions, list(guard), dict(lockdown or {})
 
     def start(self) -> "Runner":
         parent, child = socket.socketpair()
-        setup = pickle.dumps({"guard": self.guard}).hex()
+        setup = pickle.dumps({"guard": self.guard, "lockdown": self.lockdown}).hex()
         user = run_as()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", f"from exercises.grading.runner import main; main({child.fileno()}, {setup!r})"],
@@ -261,7 +263,7 @@ def runtime_dir() -> str:
         d = Path(tempfile.mkdtemp(prefix="grader-runtime-"))
         _RUNTIME["dir"] = str(d)
         atexit.register(remove_scratch)      # also when a caller never reaches grade()'s cleanup
-        release._copy_tree(["reference", "exercises"], d, release.STUDENT_LEAVE_OUT)
+        release._copy_tree(["reference", "exercises"], d, release.RUNTIME_LEAVE_OUT)
         release.strip_solutions(d)
         for dirpath, dirnames, filenames in os.walk(d):
             os.chmod(dirpath, 0o755)

@@ -131,16 +131,16 @@ def grade(solutions: str = "exercises", ids: Sequence[str] | None = None, *, inc
     results: list[ExerciseResult] = []
     started: list[Runner] = []
 
-    def new_runner() -> Runner:
-        r = Runner(solutions, guard).start()
+    def new_runner(ex: Exercise) -> Runner:
+        r = Runner(solutions, guard, ex.lockdown()).start()
         started.append(r)
         _OUR_CHILDREN.add(r.proc.pid)
         return r
 
-    upcoming = new_runner() if chosen else None
+    upcoming = new_runner(registry[chosen[0]]) if chosen else None
     try:
         for k, ex_id in enumerate(chosen):
-            runner, upcoming = upcoming, (new_runner() if k + 1 < len(chosen) else None)
+            runner, upcoming = upcoming, (new_runner(registry[chosen[k + 1]]) if k + 1 < len(chosen) else None)
             spare = [upcoming.proc.pid] if upcoming is not None and upcoming.proc is not None else []
             try:
                 results.append(_grade_exercise(registry[ex_id], solutions, runner, include_hidden, progress, timeout,

@@ -105,19 +105,17 @@ def sync_gradients(model: ParallelGPT) -> None:
     Parameters whose ``.grad`` is None are skipped (the same ones on every rank of a group).
     """
     sync_sequence_parallel_grads(model.sequence_parallel_params(), group=model.groups["tp"])
-    if model.grid.dp * model.grid.cp > 1:
-        _average_flat(model.dense_params(), model.groups["dp_cp"])
+    n = model.grid.dp * model.grid.cp
+    if n > 1:
+        # dense: the mean over dp_cp, in ONE all-reduce of their concatenation (one message per
+        # step instead of one per tensor: what DDP's buckets buy, lecture 3)
+        grads = [p.grad for p in model.dense_params() if p.grad is not None]
+        comm.all_reduce_coalesced(grads, group=model.groups["dp_cp"], what="dense_grads")
+        for g in grads:
+            g /= n
+        # experts: Σ over the ranks holding the same experts, ÷ dp·cp (lecture 5b)
         sync_moe_gradients([], model.expert_params(), dp_group=model.groups["dp_cp"],
                            expert_dp_group=model.groups.get("edp"))
-
-
-def _average_flat(params, group) -> None:
-    """Average the ``.grad`` of ``params`` over ``group`` with one all-reduce of their concatenation
-    (one message per step instead of one per tensor: what DDP's buckets buy, lecture 3)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    comm.all_reduce_coalesced(grads, group=group, what="dense_grads")
-    for g in grads:
-        g /= comm.world_size(group)
 
 
 def global_loss(model: ParallelGPT, loss: torch.Tensor | None) -> float:

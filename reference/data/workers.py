@@ -24,7 +24,7 @@ OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
 def batch(kind: str, seed: int, step: int, micro: int, rank: int, rows: int = 2, scale: float = 1.0,
           dtype=torch.float64, d: int | None = None, seq: int = 4):
     """Rank ``rank``'s (x, y) for one micro-step: x ~ N(0, scale²), y ~ N(0, 1)."""
-    g = torch.Generator().manual_seed(1_000_003 * seed + 10_007 * step + 101 * micro + rank)
+    g = torch.Generator().manual_seed((1_000_003 * seed + 10_007 * step + 101 * micro + rank) % 2 ** 63)
     d = d or {"mlp": 6, "block": 8}[kind]
     shape = (rows, d) if kind == "mlp" else (rows, seq, d)
     return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype), \
@@ -159,13 +159,13 @@ class Branchy(torch.nn.Module):
         return self.b(h) if use_b else h
 
 
-def unused_on_some_ranks(bucket_cap_mb: float = 25.0) -> dict:
+def unused_on_some_ranks(bucket_cap_mb: float = 25.0, seed: int = 0) -> dict:
     """Only rank 0 uses ``b``: DataParallel must not hang; b's grads are the mean with zeros elsewhere."""
     from .ddp import DataParallel
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = Branchy().double()
     ddp = DataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    x, y = batch("mlp", 0, 0, 0, comm.rank(), d=4)
+    x, y = batch("mlp", seed, 0, 0, comm.rank(), d=4)
     F.mse_loss(ddp(x, use_b=comm.rank() == 0), y).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 

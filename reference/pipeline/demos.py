@@ -93,7 +93,8 @@ def _my_share(stages, layers, width, batch, num_microbatches, virtual_stages, si
 
 def pipeline_worker(schedule: str = "1f1b", num_microbatches: int = 4, *, virtual_stages: int = 1,
                     stages: int | None = None, layers: int | None = None, width: int = 8, batch: int | None = None,
-                    sizes=None, seed: int = 0, dtype: str = "float64", actions=None, check: bool = True) -> dict | None:
+                    sizes=None, seed: int = 0, dtype: str = "float64", actions=None, check: bool = True,
+                    link_class=None) -> dict | None:
     """One step of :func:`.executor.run_pipeline` on this rank (rank = stage).
 
     ``stages``: pipeline on the first ``stages`` ranks only (default: all); the others return None.
@@ -107,7 +108,8 @@ def pipeline_worker(schedule: str = "1f1b", num_microbatches: int = 4, *, virtua
         return None
     group, p, r, model, mine, (x, y) = share
     loss = run_pipeline(mine, schedule, x, y, mse, num_microbatches=num_microbatches,
-                        virtual_stages=virtual_stages, group=group, actions=actions, check=check)
+                        virtual_stages=virtual_stages, group=group, actions=actions, check=check,
+                        **({"link_class": link_class} if link_class is not None else {}))
     return {"rank": r, "stages": [c * p + r for c in range(virtual_stages)],
             "loss": None if loss is None else float(loss),
             "grads": {n: t.grad.clone() for n, t in parameter_names(model, mine).items()}}

@@ -292,7 +292,7 @@ def _check_inputs(chunks, v, inputs, targets, loss_fn, m) -> None:
 def run_pipeline(stage_modules: nn.Module | Sequence[nn.Module], schedule_name: str, inputs: torch.Tensor,
                  targets: torch.Tensor, loss_fn: Callable, *, num_microbatches: int, virtual_stages: int = 1,
                  group=None, actions: Sequence[Sequence[Action]] | None = None, check: bool = True,
-                 shapes: dict | None = None) -> torch.Tensor | None:
+                 shapes: dict | None = None, link_class: type[Link] = Link) -> torch.Tensor | None:
     """One forward + backward of the batch through the pipeline; call on every rank of ``group``.
 
     stage_modules:  this rank's chunk, or the list of its ``virtual_stages`` chunks (chunk c = stage c·p + rank)
@@ -303,6 +303,8 @@ def run_pipeline(stage_modules: nn.Module | Sequence[nn.Module], schedule_name: 
                     ``schedule_name``; checked with ``simulate`` unless ``check=False`` (then a bad order hangs
                     until the world's timeout, which names the blocked ranks)
     shapes:         from :func:`infer_shapes` (skips the hand-shake)
+    link_class:     the class of each chunk's wires (the grader passes a :class:`Link` that records
+                    what each stage sends and receives)
 
     Raises ValueError on every rank, before any message, for any bad argument.  Adds the gradient
     of the full-batch mean loss to every parameter's ``.grad`` (zero them first, as for
@@ -325,7 +327,7 @@ def run_pipeline(stage_modules: nn.Module | Sequence[nn.Module], schedule_name: 
     if shapes is None:
         shapes = infer_shapes(chunks, tuple(xs[0].shape), inputs.dtype, group=group)
     box = _Postbox(plan, v, shapes, group)
-    links = [Link(box, c) for c in range(v)]
+    links = [link_class(box, c) for c in range(v)]
     stashes: list[dict] = [{} for _ in range(v)]
     split = any(a.kind == "W" for a in plan[rank])
     layer_outputs: dict[tuple[int, int], list] = {}

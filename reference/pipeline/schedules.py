@@ -144,7 +144,7 @@ def zb_h1(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
 
 
 def _check(name: str, num_stages, num_microbatches, virtual_stages) -> None:
-    """The ValueErrors shared by :func:`schedule` and :func:`bubble_fraction`."""
+    """The ValueErrors of :func:`schedule` (the rules :func:`bubble_fraction` states again)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     for what, x in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
@@ -293,10 +293,20 @@ def bubble_fraction(name: str, num_stages: int, num_microbatches: int, *, virtua
     name: "gpipe", "1f1b", "interleaved_1f1b" (v = ``virtual_stages`` chunks per rank) or "zb_h1".
     With every F, B (and W) one slot: idle slots / (p × the slots from the first start to the last end),
     which :func:`simulate` + :func:`measured_bubble` on :func:`schedule` measure (notebook 04b
-    derives each case).  Raises ValueError for what :func:`schedule` refuses.
+    derives each case).  Raises ValueError for what :func:`schedule` refuses: an unknown name;
+    p, m or v not an integer ≥ 1; interleaved_1f1b with v < 2 or m not a multiple of p; v ≠ 1
+    with any other schedule; 1f1b or zb_h1 with m < p.
     """
-    _check(name, num_stages, num_microbatches, virtual_stages)
     p, m, v = num_stages, num_microbatches, virtual_stages
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in (p, m, v)):
+        raise ValueError(f"num_stages, num_microbatches and virtual_stages must be integers >= 1, got {p!r}, {m!r}, {v!r}")
+    if (name == "interleaved_1f1b") != (v > 1) or (name == "interleaved_1f1b" and m % p):
+        raise ValueError(f"{name} with virtual_stages={v}, m={m}, p={p}: interleaving needs v >= 2 chunks per rank "
+                         "and m a multiple of p; the other schedules run one chunk per rank")
+    if name in ("1f1b", "zb_h1") and m < p:
+        raise ValueError(f"{name} needs num_microbatches >= num_stages (got m={m} < p={p})")
     work = {"gpipe": m, "1f1b": m, "interleaved_1f1b": v * m, "zb_h1": 3 * m}[name]
     return (p - 1) / (work + p - 1)
 

@@ -55,7 +55,7 @@ def head_dropout_mask(batch: int, heads: int, S: int, p: float, seed: int, first
     generator seeded ``seed·1_000_003 + h`` — so different heads (and ranks) get different streams."""
     masks = []
     for h in range(first_head, first_head + heads):
-        g = torch.Generator().manual_seed(seed * 1_000_003 + h)
+        g = torch.Generator().manual_seed((seed * 1_000_003 + h) % 2 ** 63)
         masks.append((torch.rand(batch, S, S, generator=g, dtype=torch.float64) >= p).to(dtype) / (1 - p))
     return torch.stack(masks, dim=1)
 

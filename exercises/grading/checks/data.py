@@ -11,18 +11,29 @@ Checks about HOW the work was done (overlap seen in the trace, memory held) give
 """
 from __future__ import annotations
 
+import random
+
 import torch
 
 from ..core import exercise
 from ..feedback import Mismatch
 
-H = "exercises.grading.checks.data"
+H = "exercises.grading.harness.data"
 
-ALLREDUCE = exercise("3.1", "The gradient all-reduce: a mean over ranks", "data", ["all_reduce_gradients"])
-BUCKETS = exercise("3.2", "Buckets, overlapped with backward", "data", ["assign_buckets", "grad_ready", "finish_buckets"])
-ZERO = exercise("3.3", "A ZeRO-1/2 optimizer step: reduce, update my shard, all-gather", "data", ["zero_step"])
+# What the learner writes, and what the exercise's ranks switch off (exercises.grading.shortcuts):
+# 3.1's answer is one library all-reduce per gradient, and that stays.  The wrappers broadcast the
+# replicas' first parameters (given code); the learner's code may not broadcast — what
+# ZeroRedundancyOptimizer and DDP's constructor need.
+ALLREDUCE = exercise("3.1", "The gradient all-reduce: a mean over ranks", "data", ["all_reduce_gradients"],
+                     comm=("all_reduce",))
+BUCKETS = exercise("3.2", "Buckets, overlapped with backward", "data", ["assign_buckets", "grad_ready", "finish_buckets"],
+                   comm=("all_reduce", "all_gather"), driver_comm=("broadcast",), shortcuts=("ddp",))
+ZERO = exercise("3.3", "A ZeRO-1/2 optimizer step: reduce, update my shard, all-gather", "data", ["zero_step"],
+                comm=("all_reduce", "reduce_scatter", "all_gather"), driver_comm=("broadcast",),
+                shortcuts=("zero_redundancy_optimizer", "ddp", "fsdp"))
 ZERO3 = exercise("3.4", "ZeRO-3's collectives: gather before use, reduce-scatter the gradient", "data",
-                 ["gather_full_params", "reduce_scatter_grad"])
+                 ["gather_full_params", "reduce_scatter_grad"], comm=("all_gather", "reduce_scatter"),
+                 driver_comm=("broadcast",), shortcuts=("fsdp", "zero_redundancy_optimizer"))
 
 T1_31 = ('Every rank must end with the gradient of the MEAN loss over ranks. Which collective gives every rank'
          ' the same total, and what turns a total into a mean?')
@@ -70,44 +81,6 @@ HINTS = {
 
 # ----------------------------------------------------------------------------------------------
 # Harnesses: run in the runner (or on its ranks), call learner code, return plain values.
-
-
-def _fn(module: str, name: str):
-    import importlib
-    return getattr(importlib.import_module(module), name)
-
-
-def grads_per_rank(module: str, per_rank: list[list[torch.Tensor | None]]):
-    """On each rank: parameters whose ``.grad`` are this rank's gradients; the learner averages them."""
-    import torch.distributed as dist
-    params = []
-    for g in per_rank[dist.get_rank()]:
-        p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64) if g is None else torch.zeros_like(g))
-        p.grad = None if g is None else g.clone()
-        params.append(p)
-    _fn(module, "all_reduce_gradients")(params)
-    return [p.grad for p in params]
-
-
-def buckets_of(module: str, sizes: list[int], dtypes: list[str], cap: int):
-    params = [torch.empty(n, dtype=getattr(torch, dt)) for n, dt in zip(sizes, dtypes)]
-    return _fn(module, "assign_buckets")(params, cap)
-
-
-def train_per_rank(module: str, method: str, kind: str, opt: str, kw: dict):
-    """One training run of reference.data.workers.train on this rank (the wrappers call the learner's code)."""
-    from reference.data import workers
-    return workers.train(method, kind, opt, **kw)
-
-
-def unused_per_rank(module: str, cap_mb: float):
-    from reference.data import workers
-    return workers.unused_on_some_ranks(cap_mb)
-
-
-def collective_per_rank(module: str, name: str, per_rank: list[torch.Tensor], kw: dict):
-    import torch.distributed as dist
-    return _fn(module, name)(per_rank[dist.get_rank()].clone(), **kw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,19 +144,29 @@ def _(ctx):
 # 3.2 — buckets
 
 
-BUCKET_CASES = [  # (sizes, dtypes, cap bytes, expected)
-    ([3, 3, 3, 9, 1], ["float64"] * 5, 48, [[0, 1], [2], [3], [4]]),
-    ([1, 1, 1, 1, 1], ["float64"] * 5, 10 ** 6, [[0, 1, 2, 3, 4]]),
-    ([10, 1, 1], ["float32"] * 3, 8, [[0], [1, 2]]),
-    ([2, 2, 4, 2], ["float64", "float32", "float32", "float64"], 32, [[0, 1], [2, 3]]),
-]
+def _bucket_cases(ctx, seed: int) -> list[tuple[list[int], list[str], int]]:
+    """(sizes, dtypes, cap in bytes) drawn from the check's seed: float64 alone, float32 alone
+    (bytes, not elements), mixed, one cap no parameter fits, and one cap everything fits."""
+    rng = random.Random(ctx.seed(seed))
+    cases = []
+    for kind in ("float64", "float32", "mixed", "tiny cap", "huge cap"):
+        n = rng.randint(4, 8)
+        sizes = [rng.randint(1, 12) for _ in range(n)]
+        dtypes = [rng.choice(["float64", "float32"]) if kind in ("mixed", "tiny cap") else
+                  ("float32" if kind == "float32" else "float64") for _ in range(n)]
+        total = sum(s * (8 if d == "float64" else 4) for s, d in zip(sizes, dtypes))
+        cap = {"tiny cap": 2, "huge cap": 10 ** 6}.get(kind, 4 * rng.randint(4, max(5, total // 8)))
+        cases.append((sizes, dtypes, cap))
+    return cases
 
 
 @BUCKETS.check("assign_buckets: greedy in the given order, up to the cap in bytes, a big parameter alone")
 def _(ctx):
-    for sizes, dtypes, cap, want in BUCKET_CASES:
+    for sizes, dtypes, cap in _bucket_cases(ctx, 310):
         got = ctx.local(f"{H}:buckets_of", sizes, dtypes, cap)
         got = [list(map(int, b)) for b in got] if isinstance(got, (list, tuple)) else got
+        want = ctx.oracle("reference.data.ddp:assign_buckets",
+                          [torch.zeros(n, dtype=getattr(torch, dt)) for n, dt in zip(sizes, dtypes)], cap)
         words = f"sizes {sizes} elements of {dtypes}, cap {cap} bytes"
         if got != want:
             hint = ""
@@ -222,17 +205,51 @@ def _(ctx):
 def _(ctx):
     from torch.nn import functional as F
     from reference.data import workers
-    W = 2
-    res = ctx.ranks(W, f"{H}:unused_per_rank", 200 / 2 ** 20, timeout=30)
-    torch.manual_seed(0)
+    W, seed = 2, ctx.seed(317)
+    res = ctx.ranks(W, f"{H}:unused_per_rank", 200 / 2 ** 20, seed, timeout=30)
+    torch.manual_seed(seed)
     model = workers.Branchy().double()
-    loss = sum(F.mse_loss(model(workers.batch("mlp", 0, 0, 0, r, d=4)[0], use_b=r == 0),
-                          workers.batch("mlp", 0, 0, 0, r, d=4)[1]) for r in range(W)) / W
+    loss = sum(F.mse_loss(model(workers.batch("mlp", seed, 0, 0, r, d=4)[0], use_b=r == 0),
+                          workers.batch("mlp", seed, 0, 0, r, d=4)[1]) for r in range(W)) / W
     loss.backward()
     for r, got in enumerate(res.values):
         for n, p in model.named_parameters():
             ctx.compare(got.get(n), p.grad, f"gradient of {n}", rank=r, world_size=W, atol=1e-12, rtol=1e-10,
                         case="b unused on rank 1")
+
+
+def posted_too_late(m: Mismatch) -> str | None:
+    """The result is the mean of what ``.grad`` held at the END: the bucket was reduced in finish_buckets."""
+    late = m.extra.get("late")
+    if isinstance(m.got, torch.Tensor) and late is not None and m.got.shape == late.shape \
+            and torch.allclose(m.got.double(), late.double(), atol=1e-9, rtol=1e-9):
+        return ("this is the mean of what the parameters' .grad held at the END of backward, not when their bucket "
+                "was complete: the bucket's all-reduce was posted only in finish_buckets, so nothing overlapped "
+                "with backward. grad_ready must post every complete bucket (in bucket order) at once, from a copy "
+                "of its gradients, and never wait.")
+    return None
+
+
+@BUCKETS.check("overlap, shown in values: a bucket's all-reduce leaves from grad_ready, with the gradients it had "
+               "when it was complete (3 ranks)", points=2)
+def _(ctx):
+    W = 3
+    rng = random.Random(ctx.seed(315))
+    g = torch.Generator().manual_seed(ctx.seed(316))
+    sizes = [rng.randint(1, 9) for _ in range(rng.randint(5, 8))]
+    cuts = sorted(rng.sample(range(1, len(sizes)), 3))
+    layout = [list(range(a, b)) for a, b in zip([0] + cuts, cuts + [len(sizes)])]
+    grads = [[torch.randn(n, generator=g, dtype=torch.float64) for n in sizes] for _ in range(W)]
+    garbage = [[torch.randn(n, generator=g, dtype=torch.float64) * 1000 for n in sizes] for _ in range(W)]
+    res = ctx.ranks(W, f"{H}:overlap_per_rank", grads, garbage, layout)
+    for r, got in enumerate(res.values):
+        ctx.expect(isinstance(got, list) and len(got) == len(sizes), f"rank {r}: finish_buckets left "
+                   f"{type(got).__name__} gradients; every parameter's .grad must hold the mean.")
+        for j, n in enumerate(sizes):
+            want = torch.stack([grads[q][j] for q in range(W)]).mean(0)
+            late = torch.stack([garbage[q][j] for q in range(W)]).mean(0)
+            ctx.compare(got[j], want, f"gradient of parameter {j}", rank=r, world_size=W, atol=1e-12, rtol=1e-10,
+                        case=f"buckets {layout}", detectors=[posted_too_late], extra={"late": late})
 
 
 @BUCKETS.check("overlap, seen in the trace: buckets posted during backward, not waited for there (feedback only)",

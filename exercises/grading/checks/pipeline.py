@@ -18,26 +18,27 @@ from ..core import CheckFailed, exercise, salted_seed
 from ..feedback import Mismatch
 
 H = "exercises.grading.harness"
-ME = "exercises.grading.checks.pipeline"
+ME = "exercises.grading.harness.pipeline"
 SCHED = "reference.pipeline.schedules"
 DEMOS = "reference.pipeline.demos"
 RANKS_TIMEOUT = 10.0
 
-ORDER = exercise("4.4", "The 1F1B order of one stage", "pipeline", ["one_f_one_b"])
+# What the learner writes: the order itself, one stage's step through the given Link, the formula.
+# torch.distributed.pipelining (whose schedules hold the 1F1B table) is switched off; so are the
+# given functions that compute an answer by another road: the zero-bubble B (4.5's backward with
+# the graph kept), the planner's bubble and the schedules' own rules and slot measurement (4.6).
+ORDER = exercise("4.4", "The 1F1B order of one stage", "pipeline", ["one_f_one_b"], comm=("p2p",),
+                 shortcuts=("pipelining",))
 STEP = exercise("4.5", "One stage, one micro-batch: forward_step and backward_step", "pipeline",
-                ["forward_step", "backward_step"])
-BUBBLE = exercise("4.6", "The bubble fraction, by formula", "pipeline", ["bubble_fraction"])
+                ["forward_step", "backward_step"], comm=("p2p",), shortcuts=("pipelining",),
+                mirrors=("reference.pipeline.executor:backward_input_step",))
+BUBBLE = exercise("4.6", "The bubble fraction, by formula", "pipeline", ["bubble_fraction"], shortcuts=("pipelining",),
+                  mirrors=("reference.planner.counts:bubble_fraction", "reference.pipeline.schedules:_check",
+                           "reference.pipeline.schedules:measured_bubble", "reference.pipeline.lecture:slot_bubble"))
 
 
 # ----------------------------------------------------------------------------------------------
 # Harnesses (run in the runner or on its ranks)
-
-
-def pipeline_step(module: str, schedule: str, num_microbatches: int, kwargs: dict) -> dict:
-    """On each rank: one step of the reference executor (which calls the learner's functions)."""
-    from reference.pipeline import demos
-    out = demos.pipeline_worker(schedule, num_microbatches, **kwargs)
-    return {"loss": out["loss"], "grads": out["grads"]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,15 +103,20 @@ def _short(order: list[tuple], n: int = 12) -> str:
     return text + (" …" if len(order) > n else "")
 
 
-@ORDER.check("p = 4, m = 8: every stage's order (warm-up, steady one-forward-one-backward, cool-down)", points=2)
+@ORDER.check("p = 3 to 6, m from p+1 to 4p: every stage's order (warm-up, steady one-forward-one-backward, "
+             "cool-down)", points=2)
 def _(ctx):
-    _order_case(ctx, 4, 8)
+    rng = random.Random(salted_seed(41))
+    p = rng.randint(3, 6)
+    _order_case(ctx, p, rng.randint(p + 1, 4 * p))
 
 
 @ORDER.check("m = p (no steady state left over) and a single stage (no warm-up at all)")
 def _(ctx):
-    _order_case(ctx, 3, 3)
-    _order_case(ctx, 1, 4)
+    rng = random.Random(salted_seed(42))
+    p = rng.randint(2, 6)
+    _order_case(ctx, p, p)
+    _order_case(ctx, 1, rng.randint(2, 7))
 
 
 @ORDER.check("odd sizes: 3, 5 and 7 stages with more micro-batches than stages", points=2)
@@ -120,10 +126,11 @@ def _(ctx):
         _order_case(ctx, p, p + rng.randrange(1, 6))
 
 
-@ORDER.check("your order on 3 real ranks: no deadlock, every gradient equals one process's (m = 5)",
+@ORDER.check("your order on 3 real ranks: no deadlock, every gradient equals one process's (m = 3 to 6)",
              timeout=RANKS_TIMEOUT)
 def _(ctx):
-    _step_case(ctx, 3, "1f1b", 5, {}, "1F1B, p=3, m=5")
+    m = random.Random(salted_seed(43)).randint(3, 6)
+    _step_case(ctx, 3, "1f1b", m, {"seed": salted_seed(430)}, f"1F1B, p=3, m={m}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,7 +151,7 @@ def _m_times(m: int):
     return detect
 
 
-def _step_case(ctx, p: int, schedule: str, m: int, kw: dict, words: str) -> None:
+def _step_case(ctx, p: int, schedule: str, m: int, kw: dict, words: str):
     res = ctx.ranks(p, f"{ME}:pipeline_step", schedule, m, kw, timeout=RANKS_TIMEOUT)
     v = kw.get("virtual_stages", 1)
     model_kw = {k: kw[k] for k in ("layers", "width", "seed") if k in kw}
@@ -166,6 +173,7 @@ def _step_case(ctx, p: int, schedule: str, m: int, kw: dict, words: str) -> None
         ctx.compare(g, want, f"gradient of {name}", atol=1e-12, rtol=1e-10, case=words,
                     detectors=[_m_times(m), _one_microbatch_only(m)],
                     extra={"per_microbatch": [mb[name] for mb in per_mb]})
+    return res
 
 
 def _one_microbatch_only(m: int):
@@ -186,22 +194,64 @@ def _one_microbatch_only(m: int):
 @STEP.check("2 stages, GPipe, m = 2: the loss and every gradient equal one process's (float64)", points=2,
             timeout=RANKS_TIMEOUT)
 def _(ctx):
-    _step_case(ctx, 2, "gpipe", 2, {}, "GPipe, p=2, m=2")
+    _step_case(ctx, 2, "gpipe", 2, {"seed": salted_seed(450)}, "GPipe, p=2, m=2")
 
 
-@STEP.check("3 stages, 1F1B, m = 6", points=2, timeout=RANKS_TIMEOUT)
+@STEP.check("3 stages, 1F1B, m = 3 to 7", points=2, timeout=RANKS_TIMEOUT)
 def _(ctx):
-    _step_case(ctx, 3, "1f1b", 6, {}, "1F1B, p=3, m=6")
+    m = random.Random(salted_seed(45)).randint(3, 7)
+    _step_case(ctx, 3, "1f1b", m, {"seed": salted_seed(451)}, f"1F1B, p=3, m={m}")
 
 
-@STEP.check("4 stages, uneven layer split (1, 3, 2, 1 blocks), 1F1B, m = 4", timeout=RANKS_TIMEOUT)
+@STEP.check("4 stages, an uneven layer split (1 to 3 blocks each), 1F1B, m = 4", timeout=RANKS_TIMEOUT)
 def _(ctx):
-    _step_case(ctx, 4, "1f1b", 4, {"layers": 7, "sizes": [1, 3, 2, 1]}, "1F1B, p=4, uneven, m=4")
+    rng = random.Random(salted_seed(46))
+    sizes = [rng.randint(1, 3) for _ in range(4)]
+    _step_case(ctx, 4, "1f1b", 4, {"layers": sum(sizes), "sizes": sizes, "seed": salted_seed(452)},
+               f"1F1B, p=4, blocks {sizes}, m=4")
 
 
 @STEP.check("interleaved 1F1B: 2 ranks × 2 chunks, m = 4", timeout=RANKS_TIMEOUT)
 def _(ctx):
-    _step_case(ctx, 2, "interleaved_1f1b", 4, {"virtual_stages": 2}, "interleaved, p=2, v=2, m=4")
+    _step_case(ctx, 2, "interleaved_1f1b", 4, {"virtual_stages": 2, "seed": salted_seed(453)},
+               "interleaved, p=2, v=2, m=4")
+
+
+def _expected_link_calls(plan: list, p: int, v: int) -> dict[int, list[tuple[str, int]]]:
+    """What each virtual stage must send and receive, action by action: F(i) receives micro-batch i's
+    activation (not the first stage) and sends its output (not the last); B(i) receives the output's
+    gradient (not the last) and sends the input's gradient (not the first)."""
+    K = p * v
+    want: dict[int, list[tuple[str, int]]] = {}
+    for rank, actions in enumerate(plan):
+        for a in actions:
+            k, i = a.chunk * p + rank, a.microbatch
+            calls = want.setdefault(k, [])
+            if a.kind == "F":
+                calls += ([("recv_activation", i)] if k > 0 else []) + ([("send_activation", i)] if k < K - 1 else [])
+            else:
+                calls += ([("recv_gradient", i)] if k < K - 1 else []) + ([("send_gradient", i)] if k > 0 else [])
+    return want
+
+
+@STEP.check("every message through the stage's Link, in the schedule's order (recorded by the grader's own Link)",
+            timeout=RANKS_TIMEOUT)
+def _(ctx):
+    from reference.pipeline.schedules import schedule
+    m = random.Random(salted_seed(47)).randint(3, 6)
+    res = _step_case(ctx, 3, "1f1b", m, {"seed": salted_seed(454)}, f"1F1B, p=3, m={m}")
+    got: dict[int, list] = {}
+    for x in res.values:
+        got.update({int(k): [(str(c), int(i)) for c, i in v] for k, v in x["links"].items()})
+    for k, calls in sorted(_expected_link_calls(schedule("1f1b", 3, m), 3, 1).items()):
+        mine = got.get(k, [])
+        if mine != calls:
+            first = next((j for j, (a, b) in enumerate(zip(mine, calls)) if a != b), min(len(mine), len(calls)))
+            shown = lambda xs: ", ".join(f"{c}({i})" for c, i in xs[max(0, first - 1):first + 3]) or "nothing"  # noqa: E731
+            raise CheckFailed(f"stage {k}: its Link saw {len(mine)} calls, the schedule needs {len(calls)}; from call "
+                              f"{first} on it saw {shown(mine)} where {shown(calls)} was due. Receive and send every "
+                              "activation and gradient through `link` (no other way between stages), once each, "
+                              "in the step that needs it.")
 
 
 @STEP.check("activations freed as soon as each backward is done (trace; feedback only, no points)", points=0,
@@ -221,9 +271,12 @@ def _(ctx):
 # 4.6 — the bubble
 
 
-def _bubble_case(ctx, name: str, p: int, m: int, v: int = 1) -> None:
-    got = ctx.local(f"{H}:call", "bubble_fraction", (name, p, m), {"virtual_stages": v})
-    want = ctx.oracle("reference.pipeline.lecture:slot_bubble", name, p, m, v)
+def _bubble_case(ctx, name: str, p: int, m: int, v: int = 1, truth: str = "measured") -> None:
+    """``truth``: "measured" on the schedule's slot timeline, or (for sizes no simulator finishes)
+    the reference's formula, which the tests hold equal to the measurement."""
+    got = ctx.local(f"{H}:call", "bubble_fraction", (name, p, m), {"virtual_stages": v}, timeout=5)
+    want = (ctx.oracle("reference.pipeline.lecture:slot_bubble", name, p, m, v) if truth == "measured" else
+            ctx.oracle("reference.pipeline.schedules:bubble_fraction", name, p, m, virtual_stages=v))
     words = f"{name}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")
     if not isinstance(got, (int, float)) or isinstance(got, bool):
         raise CheckFailed(f"bubble_fraction({words}) must return a number, got {type(got).__name__}.")
@@ -246,28 +299,47 @@ def _bubble_case(ctx, name: str, p: int, m: int, v: int = 1) -> None:
 
 @BUBBLE.check("GPipe and 1F1B on 2–64 stages and 1–512 micro-batches: the measured slot bubble", points=2)
 def _(ctx):
-    for name, p, m in (("gpipe", 4, 8), ("gpipe", 2, 1), ("1f1b", 4, 8), ("1f1b", 3, 5), ("gpipe", 64, 512)):
-        _bubble_case(ctx, name, p, m)
+    rng = random.Random(salted_seed(61))
+    for name in ("gpipe", "gpipe", "1f1b", "1f1b"):
+        p = rng.randint(2, 8)
+        _bubble_case(ctx, name, p, rng.randint(1 if name == "gpipe" else p, 4 * p))
+    _bubble_case(ctx, "gpipe", rng.randint(32, 64), rng.randint(256, 512))
 
 
 @BUBBLE.check("interleaved 1F1B with 2 and 3 chunks per rank")
 def _(ctx):
-    for p, m, v in ((4, 8, 2), (2, 6, 3), (3, 9, 2)):
-        _bubble_case(ctx, "interleaved_1f1b", p, m, v)
+    rng = random.Random(salted_seed(62))
+    for v in (2, 3, rng.choice([2, 3])):
+        p = rng.randint(2, 4)
+        _bubble_case(ctx, "interleaved_1f1b", p, p * rng.randint(1, 3), v)
 
 
 @BUBBLE.check("ZB-H1: the backward split in two fills the cool-down")
 def _(ctx):
-    for p, m in ((4, 8), (3, 3), (5, 7)):
-        _bubble_case(ctx, "zb_h1", p, m)
+    rng = random.Random(salted_seed(63))
+    for _ in range(3):
+        p = rng.randint(2, 6)
+        _bubble_case(ctx, "zb_h1", p, rng.randint(p, 2 * p))
+
+
+@BUBBLE.check("a formula, not a simulation: thousands of stages and millions of micro-batches, every schedule")
+def _(ctx):
+    rng = random.Random(salted_seed(64))
+    for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"):
+        p = rng.randint(1000, 5000)
+        v = rng.randint(2, 8) if name == "interleaved_1f1b" else 1
+        _bubble_case(ctx, name, p, p * rng.randint(1000, 20000), v, truth="formula")
 
 
 @BUBBLE.check("what schedule() refuses raises ValueError: an unknown name, 1F1B with m < p", requires_value=True)
 def _(ctx):
-    for args, kw in ((("pipedream", 4, 8), {}), (("1f1b", 4, 2), {})):
+    rng = random.Random(salted_seed(65))
+    p = rng.randint(3, 8)
+    for args, kw in (((rng.choice(["pipedream", "1F1B", "dualpipe"]), p, 2 * p), {}), (("1f1b", p, p - 1), {}),
+                     (("interleaved_1f1b", p, p + 1), {"virtual_stages": 2}), (("gpipe", p, 2 * p), {"virtual_stages": 2})):
         err = ctx.local(f"{H}:raises", "bubble_fraction", args, kw)
         if err != "ValueError":
-            raise CheckFailed(f"bubble_fraction{args} should raise ValueError, "
+            raise CheckFailed(f"bubble_fraction{args}{', ' + str(kw) if kw else ''} should raise ValueError, "
                               f"{'returned a number' if err is None else 'raised ' + err}.")
 
 
@@ -296,7 +368,7 @@ HINTS = {
         "each stage wait, and how many does it work in total?",
         "GPipe and 1F1B: each stage works 2m slots (F and B) and waits 2(p − 1) — the fill and the drain. The idle "
         "fraction is idle / (idle + work). Interleaving cuts every block into v smaller ones; ZB-H1 works 3m slots.",
-        "gpipe, 1f1b: (p−1)/(m+p−1); interleaved: (p−1)/(v·m+p−1); zb_h1: (p−1)/(3m+p−1). Validate first: an "
-        "unknown name or 1F1B with m < p raises ValueError (reference.pipeline.schedules has the rules).",
+        "A sketch: gpipe, 1f1b: (p−1)/(m+p−1); interleaved: (p−1)/(v·m+p−1); zb_h1: (p−1)/(3m+p−1). Validate "
+        "first, with the rules the docstring lists (an unknown name, 1F1B with m < p, …: ValueError).",
     ],
 }

@@ -8,19 +8,29 @@ on every rank, the other style's shard), computed here as well.
 """
 from __future__ import annotations
 
+import random
+
 import torch
 import torch.nn.functional as F
 
 from ..core import CheckFailed, exercise
 from ..feedback import Mismatch
 
-H = "exercises.grading.checks.tensor"
+H = "exercises.grading.harness.tensor"
 
+# What the learner writes: plain all-reduces inside their own autograd functions.  DTensor
+# (parallelize_module, ColwiseParallel, loss_parallel) is switched off, and with it the functional
+# collectives it communicates through (only the plain c10d all-reduce is offered).  In 4.3 an
+# all-reduce carries at most a few numbers per token (XENT_MAX_TOKENS tokens in every case): the
+# point is never to gather the vocabulary's logits, by an all-gather or an all-reduce.
+XENT_MAX_TOKENS = 16
 FG = exercise("4.1", "Megatron's f and g: the conjugate all-reduce operators", "tensor",
-              ["copy_to_tensor_region", "reduce_from_tensor_region"])
+              ["copy_to_tensor_region", "reduce_from_tensor_region"], comm=("all_reduce",), shortcuts=("dtensor",))
 MLP = exercise("4.2", "Column- and row-parallel linears forming a parallel MLP", "tensor",
-               ["linear_shard", "column_parallel_linear", "row_parallel_linear"])
-XENT = exercise("4.3", "Vocabulary-parallel cross-entropy", "tensor", ["vocab_parallel_cross_entropy"])
+               ["linear_shard", "column_parallel_linear", "row_parallel_linear"], comm=("all_reduce",),
+               shortcuts=("dtensor",))
+XENT = exercise("4.3", "Vocabulary-parallel cross-entropy", "tensor", ["vocab_parallel_cross_entropy"],
+                comm=("all_reduce",), limits={"all_reduce": 3 * XENT_MAX_TOKENS}, shortcuts=("dtensor",))
 
 HINTS = {
     "4.1": ["f is the identity going forward, g sums the ranks' partial results going forward. Every rank used the same x: what must f's backward do? And what is the gradient of a sum with respect to each of its terms?",
@@ -50,69 +60,8 @@ HINTS = {
 }
 
 
-def _fn(module: str, name: str):
-    import importlib
-    return getattr(importlib.import_module(module), name)
-
-
 # ----------------------------------------------------------------------------------------------
 # Harnesses: run on the ranks, call learner code, return plain values.
-
-
-def fg_per_rank(module: str, which: str, xs, grads):
-    """f: every rank's x is xs[0] (replicated), backprop grads[r].  g: x = xs[r], backprop grads[0]."""
-    import torch.distributed as dist
-    r = dist.get_rank()
-    x = (xs[0] if which == "f" else xs[r]).clone().requires_grad_(True)
-    name = "copy_to_tensor_region" if which == "f" else "reduce_from_tensor_region"
-    y = _fn(module, name)(x)
-    out = {"out": y.detach().clone() if isinstance(y, torch.Tensor) else y, "grad": None,
-           "has_graph": bool(getattr(y, "requires_grad", False))}
-    if out["has_graph"]:
-        y.backward(grads[r] if which == "f" else grads[0])
-        out["grad"] = x.grad
-    return out
-
-
-def shard_per_rank(module: str, weight, bias, style):
-    w, b = _fn(module, "linear_shard")(weight, bias, style)
-    return {"weight": w, "bias": b}
-
-
-def mlp_per_rank(module: str, fc1, fc2, x, dout, bias_row: bool = True):
-    """This rank's slices taken HERE (grader code), then the learner's column → GELU → row."""
-    import torch.distributed as dist
-    r, W = dist.get_rank(), dist.get_world_size()
-    (w1, b1), (w2, b2) = fc1, fc2
-    n = w1.shape[0] // W
-    w1 = w1[r * n:(r + 1) * n].clone().requires_grad_(True)
-    b1 = b1[r * n:(r + 1) * n].clone().requires_grad_(True)
-    w2 = w2[:, r * n:(r + 1) * n].clone().requires_grad_(True)
-    b2 = b2.clone().requires_grad_(True)
-    x = x.clone().requires_grad_(True)
-    h = _fn(module, "column_parallel_linear")(x, w1, b1)
-    if not isinstance(h, torch.Tensor):
-        return {"out": h}
-    y = _fn(module, "row_parallel_linear")(F.gelu(h), w2, b2)
-    res = {"out": y.detach() if isinstance(y, torch.Tensor) else y, "has_graph": bool(getattr(y, "requires_grad", False))}
-    if res["has_graph"]:
-        y.backward(dout)
-        res.update(dx=x.grad, w1=w1.grad, b1=b1.grad, w2=w2.grad, b2=b2.grad)
-    return res
-
-
-def xent_per_rank(module: str, logits, target, dloss):
-    import torch.distributed as dist
-    r, W = dist.get_rank(), dist.get_world_size()
-    n = logits.shape[1] // W
-    z = logits[:, r * n:(r + 1) * n].clone().requires_grad_(True)
-    loss = _fn(module, "vocab_parallel_cross_entropy")(z, target)
-    res = {"loss": loss.detach() if isinstance(loss, torch.Tensor) else loss,
-           "has_graph": bool(getattr(loss, "requires_grad", False)), "grad": None}
-    if res["has_graph"]:
-        loss.backward(dloss)
-        res["grad"] = z.grad
-    return res
 
 
 # ----------------------------------------------------------------------------------------------
@@ -349,7 +298,10 @@ def xent_mistakes(m: Mismatch) -> str | None:
 
 
 def _xent(ctx, W: int, seed: int, scale: float, dtype=torch.float64, tol: float = 1e-10):
-    V, T = 4 * W, 9
+    """One case: T ≤ XENT_MAX_TOKENS tokens, a vocabulary of V = W·(25…32) ids — a row of logits is
+    more than an all-reduce may carry here, so only per-token numbers can travel."""
+    rng = random.Random(seed)
+    V, T = W * rng.randint(25, 32), rng.randint(9, XENT_MAX_TOKENS)
     logits, dloss = _rand(seed, T, V, scale=scale, dtype=dtype), _rand(seed + 1, T, dtype=dtype)
     if scale > 1:      # one confident token: its logits shifted by +100 (the softmax does not change)
         logits[1] += 100
@@ -360,6 +312,7 @@ def _xent(ctx, W: int, seed: int, scale: float, dtype=torch.float64, tol: float 
     loss.backward(dloss.double())
     edges = {i for r in range(W) for i in (r * V // W, (r + 1) * V // W - 1)}
     n = V // W
+    res.sizes = (T, V)
     for r, v in enumerate(res.values):
         kw = dict(rank=r, world_size=W, atol=tol, rtol=tol, detectors=[xent_mistakes],
                   extra={"target": target, "edges": edges}, case=f"logits ×{scale:g}, {str(dtype)[6:]}")
@@ -385,7 +338,7 @@ def _(ctx):
             points=0)
 def _(ctx):
     res = _xent(ctx, 2, ctx.seed(33), 1.0)
-    T, Vw = 9, 4
+    T, Vw = res.sizes[0], res.sizes[1] // 2
     big = [e for e in res.events(rank=0) if e["op"] in ("all_reduce", "all_gather", "reduce_scatter", "send", "all_to_all")
            and e["nbytes"] >= T * Vw * 8]
     small = [e for e in res.events(rank=0) if e["op"] == "all_reduce" and e["nbytes"] == T * 8]

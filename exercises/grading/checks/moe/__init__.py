@@ -8,17 +8,16 @@ answer (which slots a second choice took, whether the weights of a half-dropped 
 which experts' tokens arrived on a rank) rather than re-implementing the exercise here.
 
 One module per exercise: :mod:`.gating` (5b.1), :mod:`.aux` (5b.2), :mod:`.dispatch` (5b.3),
-:mod:`.grad_sync` (5b.4); :mod:`.harness` holds what runs beside the learner's code.  Importing this package
+:mod:`.grad_sync` (5b.4); :mod:`.common` the shared names (the rank-side harness is ``exercises.grading.harness.moe``).  Importing this package
 registers the four exercises in that order.
 """
 from __future__ import annotations
 
-from .harness import *  # noqa: F401,F403
+from .common import *  # noqa: F401,F403
 from .gating import *  # noqa: F401,F403
 from .aux import *  # noqa: F401,F403
 from .dispatch import *  # noqa: F401,F403
 from .grad_sync import *  # noqa: F401,F403
-from .harness import _fn  # noqa: F401
 from .gating import _gating_case, _logits, _second_before_first_logits, _slots_by_choice  # noqa: F401
 from .aux import _aux_case, _aux_inputs, _ratio  # noqa: F401
 from .dispatch import _dispatch_case, _dispatch_inputs, _expected_buffers  # noqa: F401

@@ -5,7 +5,7 @@ import torch
 
 from ...core import exercise, salted_seed
 from ...feedback import Mismatch
-from .harness import DEMOS, H, REF
+from .common import DEMOS, H, REF
 
 
 AUX = exercise("5b.2", "The load-balancing loss, group-wide", "moe", ["load_balancing_loss"])

@@ -5,7 +5,7 @@ import torch
 
 from ...core import exercise, salted_seed
 from ...feedback import Mismatch
-from .harness import DEMOS, H, REF
+from .common import DEMOS, H, REF
 
 
 DISPATCH = exercise("5b.3", "Dispatch and combine through all-to-all", "moe", ["dispatch", "combine"], comm=("all_to_all",))

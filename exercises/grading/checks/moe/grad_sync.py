@@ -5,7 +5,7 @@ import torch
 
 from ...core import exercise
 from ...feedback import Mismatch
-from .harness import DEMOS, H
+from .common import DEMOS, H
 
 
 GRADSYNC = exercise("5b.4", "Expert gradients under expert × data parallelism", "moe", ["sync_moe_gradients"])
@@ -65,17 +65,17 @@ def _grad_sync_case(ctx, W: int, ep: int, seed: int, case: str):
 @GRADSYNC.check("4 ranks, EP = 2 (expert-dp groups {0,2}, {1,3}): synced gradients = gradient of the mean loss",
                 points=3)
 def _(ctx):
-    _grad_sync_case(ctx, 4, 2, seed=41, case="W=4, EP=2")
+    _grad_sync_case(ctx, 4, 2, seed=ctx.seed(41), case="W=4, EP=2")
 
 
 @GRADSYNC.check("4 ranks, EP = 4 (each expert on one rank): expert gradients still divided by 4", points=2)
 def _(ctx):
-    _grad_sync_case(ctx, 4, 4, seed=42, case="W=4, EP=4")
+    _grad_sync_case(ctx, 4, 4, seed=ctx.seed(42), case="W=4, EP=4")
 
 
 @GRADSYNC.check("4 ranks, EP = 1 (plain data parallelism): every gradient averaged over the 4 ranks")
 def _(ctx):
-    _grad_sync_case(ctx, 4, 1, seed=43, case="W=4, EP=1")
+    _grad_sync_case(ctx, 4, 1, seed=ctx.seed(43), case="W=4, EP=1")
 
 
 # Hints in tiers: the stub's error shows tier 1; ``hint("5b.4")`` shows the next one each call.

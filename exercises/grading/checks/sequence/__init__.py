@@ -23,7 +23,8 @@ from .ulysses import *  # noqa: F401,F403
 from .common import _randn  # noqa: F401
 from .merge import _merge_check  # noqa: F401
 from .shard import _shard_cases, _shard_check, _short, _zigzag_variant  # noqa: F401
-from .ring import _Counter, _peers, _ring_run  # noqa: F401
+from .ring import _peers, _ring_run  # noqa: F401
+from ...harness.sequence import _Counter, ring_harness, tokens_tensor  # noqa: F401
 from .ulysses import _ulysses_check  # noqa: F401
 from . import merge, shard, ring, ulysses  # noqa: E402,I001  (imported above, in registration order)
 

@@ -10,7 +10,7 @@ from ...core import salted_seed
 
 
 H = "exercises.grading.harness"
-ME = "exercises.grading.checks.sequence"
+ME = "exercises.grading.harness.sequence"
 RANKS_TIMEOUT = 12.0   # seconds: every multi-rank run here takes well under one; a deadlock is reported after this
 
 # ----------------------------------------------------------------------------------------------

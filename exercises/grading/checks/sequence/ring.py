@@ -87,50 +87,6 @@ def shard_inputs(qkv, W: int, layout: str) -> list[tuple[torch.Tensor, ...]]:
     return [tuple(t[..., layout_positions(S, r, W, layout), :].contiguous() for t in qkv) for r in range(W)]
 
 
-class _Counter:
-    """Counts the attention-kernel calls a rank makes (grader-side instrumentation in the rank)."""
-
-    def __init__(self):
-        self.calls: list[list[int]] = []
-        self.depth = 0
-
-    def wrap(self, fn):
-        def counted(q, k, v, *args, **kwargs):
-            if self.depth == 0:
-                self.calls.append([int(q.shape[-2]), int(k.shape[-2]), int(bool(kwargs.get("causal", False)))])
-            self.depth += 1
-            try:
-                return fn(q, k, v, *args, **kwargs)
-            finally:
-                self.depth -= 1
-        return counted
-
-
-def ring_harness(module: str, shards: list[tuple], causal: bool, layout: str) -> dict[str, Any]:
-    """On each rank: the learner's ring_attention_forward on its shard; also the kernel calls it made."""
-    import torch.distributed as dist
-    from reference.sequence import blockwise
-
-    r = dist.get_rank()
-    mod = importlib.import_module(module)
-    q, k, v = shards[r]
-    counter = _Counter()
-    patched = []
-    for owner in {id(mod): mod, id(blockwise): blockwise}.values():
-        for name in ("attention_block", "attention_block_explicit"):
-            if hasattr(owner, name):
-                patched.append((owner, name, getattr(owner, name)))
-                setattr(owner, name, counter.wrap(getattr(owner, name)))
-    try:
-        res = mod.ring_attention_forward(q, k, v, causal=causal, layout=layout)
-    finally:
-        for owner, name, fn in reversed(patched):
-            setattr(owner, name, fn)
-    if not isinstance(res, (tuple, list)) or len(res) != 2:
-        return {"bad_return": type(res).__name__}
-    return {"out": res[0], "lse": res[1], "calls": counter.calls}
-
-
 def _peers(trace: list[dict], op: str, rank: int) -> set[int]:
     return {e["peer"] for e in trace if e["op"] == op and e["rank"] == rank and e.get("peer") is not None}
 

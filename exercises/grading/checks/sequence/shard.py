@@ -1,31 +1,19 @@
 """Checks for exercise 5a.2 shard_sequence / unshard_sequence: contiguous, zigzag and striped layouts."""
 from __future__ import annotations
 
-import importlib
-import math
+import random
 from typing import Any
 
 import torch
 
-from ...core import CheckFailed, exercise
+from ...core import CheckFailed, exercise, salted_seed
 from ...feedback import Mismatch, compare
+from ...harness.sequence import tokens_tensor
 from .common import ME, layout_positions
 
 
 SHARD = exercise("5a.2", "Shard a sequence: contiguous, zigzag, striped", "sequence",
                  ["shard_sequence", "unshard_sequence"])
-
-
-def tokens_tensor(shape: tuple[int, ...], dim: int) -> torch.Tensor:
-    """A float64 tensor whose entries along ``dim`` at index 0 elsewhere are the token positions,
-    and every entry is distinct: x[..., s, ...] = s + 1000·(flat index of the other coordinates)."""
-    dim = dim % len(shape)
-    n = shape[dim]
-    others = [s for i, s in enumerate(shape) if i != dim]
-    rest = torch.arange(math.prod(others), dtype=torch.float64).reshape(others) * 1000
-    x = rest.unsqueeze(dim) + torch.arange(n, dtype=torch.float64).reshape([n if i == dim else 1
-                                                                             for i in range(len(shape))])
-    return x.contiguous()
 
 
 def token_ids(t: Any, dim: int) -> list[int] | None:
@@ -87,28 +75,6 @@ def _short(xs: list[int], n: int = 12) -> str:
     return "[" + ", ".join(map(str, xs[:n])) + (", …]" if len(xs) > n else "]")
 
 
-def shard_harness(module: str, cases: list[tuple]) -> list[Any]:
-    """Runs in the runner: shard_sequence for each (x, rank, W, layout, dim); exceptions come back as
-    ``{"raised": type name, "message": ...}`` (NotImplementedError propagates)."""
-    mod = importlib.import_module(module)
-    out = []
-    for x, r, W, layout, dim in cases:
-        try:
-            y = mod.shard_sequence(x, r, W, layout, dim)
-            out.append({"value": y, "contiguous": bool(y.is_contiguous()) if isinstance(y, torch.Tensor) else None,
-                        "input_intact": bool(torch.equal(x, tokens_tensor(tuple(x.shape), dim)))})
-        except NotImplementedError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            out.append({"raised": type(e).__name__, "message": str(e)[:300]})
-    return out
-
-
-def unshard_harness(module: str, cases: list[tuple]) -> list[Any]:
-    mod = importlib.import_module(module)
-    return [mod.unshard_sequence(list(shards), layout, dim) for shards, layout, dim in cases]
-
-
 def judge_shards(results: list[Any], cases: list[tuple]) -> None:
     for res, (x, r, W, layout, dim) in zip(results, cases):
         S = x.shape[dim]
@@ -141,21 +107,34 @@ def _shard_check(ctx, cases: list[tuple]) -> None:
     judge_shards(ctx.local(f"{ME}:shard_harness", cases), cases)
 
 
+def _sizes(seed: int) -> tuple[random.Random, int, int, int]:
+    """A random generator from the check's seed, and (B, H, D) drawn from it."""
+    rng = random.Random(salted_seed(seed))
+    return rng, rng.randint(1, 3), rng.randint(1, 3), rng.randint(2, 4)
+
+
 @SHARD.check("contiguous and striped shards on 1-4 ranks (B, H, S, D), dim=-2")
 def _(ctx):
-    _shard_check(ctx, _shard_cases(("contiguous", "striped"), (1, 2, 3, 4), lambda W, _: 4 * W,
-                                   lambda S: (2, 3, S, 4), -2))
+    rng, B, Hh, D = _sizes(521)
+    k = rng.randint(2, 5)
+    _shard_check(ctx, _shard_cases(("contiguous", "striped"), (1, 2, 3, 4), lambda W, _: k * W,
+                                   lambda S: (B, Hh, S, D), -2))
 
 
 @SHARD.check("zigzag: rank r holds chunk r, then chunk 2W−1−r of 2W, on 1-4 ranks", points=2)
 def _(ctx):
-    _shard_check(ctx, _shard_cases(("zigzag",), (1, 2, 3, 4), lambda W, _: 6 * W, lambda S: (2, 2, S, 3), -2))
+    rng, B, Hh, D = _sizes(522)
+    k = rng.randint(1, 4)
+    _shard_check(ctx, _shard_cases(("zigzag",), (1, 2, 3, 4), lambda W, _: 2 * k * W, lambda S: (B, Hh, S, D), -2))
 
 
 @SHARD.check("another sequence axis: (B, S, H, D) with dim=1, every layout")
 def _(ctx):
-    _shard_check(ctx, _shard_cases(("contiguous", "zigzag", "striped"), (3,), lambda W, _: 12,
-                                   lambda S: (2, S, 2, 3), 1))
+    rng, B, Hh, D = _sizes(523)
+    W = rng.randint(2, 4)
+    S = 2 * W * rng.randint(1, 3)
+    _shard_check(ctx, _shard_cases(("contiguous", "zigzag", "striped"), (W,), lambda W, _: S,
+                                   lambda S: (B, S, Hh, D), 1))
 
 
 def judge_unshard(results: list[Any], cases: list[tuple], fulls: list[torch.Tensor]) -> None:
@@ -170,10 +149,11 @@ def judge_unshard(results: list[Any], cases: list[tuple], fulls: list[torch.Tens
 @SHARD.check("unshard_sequence puts every layout back together bitwise, 1-4 ranks", points=2)
 def _(ctx):
     cases, fulls = [], []
+    rng, B, Hh, D = _sizes(524)
     for layout in ("contiguous", "zigzag", "striped"):
         for W, dim in ((1, -2), (2, -2), (3, 1), (4, -2)):
-            S = 4 * W
-            shape = (2, 2, S, 3) if dim == -2 else (2, S, 2, 3)
+            S = 2 * W * rng.randint(1, 3)
+            shape = (B, Hh, S, D) if dim == -2 else (B, S, Hh, D)
             full = tokens_tensor(shape, dim)
             shards = [full.index_select(dim, torch.tensor(layout_positions(S, r, W, layout))) for r in range(W)]
             cases.append((shards, layout, dim))
@@ -183,9 +163,10 @@ def _(ctx):
 
 @SHARD.check("a length the layout cannot split raises ValueError", requires_value=True)
 def _(ctx):
-    bad = [(tokens_tensor((1, 1, 10, 2), -2), 0, 3, "contiguous", -2),
-           (tokens_tensor((1, 1, 12, 2), -2), 1, 4, "zigzag", -2),
-           (tokens_tensor((1, 1, 10, 2), -2), 2, 4, "striped", -2)]
+    rng = random.Random(salted_seed(525))
+    bad = [(tokens_tensor((1, 1, 3 * rng.randint(2, 5) + rng.choice([1, 2]), 2), -2), 0, 3, "contiguous", -2),
+           (tokens_tensor((1, 1, 8 * rng.randint(1, 3) + rng.choice([2, 4, 6]), 2), -2), 1, 4, "zigzag", -2),
+           (tokens_tensor((1, 1, 4 * rng.randint(2, 5) + rng.choice([1, 2, 3]), 2), -2), 2, 4, "striped", -2)]
     for res, (x, r, W, layout, dim) in zip(ctx.local(f"{ME}:shard_harness", bad), bad):
         S = x.shape[dim]
         n = 2 * W if layout == "zigzag" else W

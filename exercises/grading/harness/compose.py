@@ -1,13 +1,7 @@
-"""Harnesses for the checks of lecture 5c: they run in the runner (or on its ranks), call learner code
-and return plain values; judging happens in the grader."""
+"""Lecture 5c's harness: the learner's ``sync_gradients`` on this rank's raw gradients."""
 from __future__ import annotations
 
-__all__ = ["grad_sync_per_rank"]
-
-
-def _fn(module: str, name: str):
-    import importlib
-    return getattr(importlib.import_module(module), name)
+from . import function as _fn
 
 
 def grad_sync_per_rank(module: str, sizes: dict, raw: list, kinds: list, moe: bool, sequence_parallel: bool):

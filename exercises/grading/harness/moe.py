@@ -1,23 +1,9 @@
-"""Harnesses for the checks of lecture 5b: they run in the runner (or on its ranks), call learner code
-and return plain values; judging happens in the grader."""
+"""Lecture 5b's harness: rank functions that call the learner's 5b.1–5b.4 and return plain values."""
 from __future__ import annotations
 
 import torch
 
-
-H = "exercises.grading.checks.moe"
-REF = "reference.moe"
-DEMOS = "reference.moe.demos"
-
-KEYS = ("probs", "expert_index", "weight", "kept", "slot")
-
-# ----------------------------------------------------------------------------------------------
-# Harnesses: run in the runner (or on its ranks), call learner code, return plain values.
-
-
-def _fn(module: str, name: str):
-    import importlib
-    return getattr(importlib.import_module(module), name)
+from . import function as _fn
 
 
 def gating_call(module: str, logits, k, capacity):

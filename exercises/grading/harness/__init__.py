@@ -1,7 +1,12 @@
 """Grader-owned functions that run inside the runner (and its ranks) and call learner code.
 
 Each takes the learner module's dotted name first.  They return plain values (tensors, numbers,
-lists, dicts) and never judge anything: judging happens in the grader process.
+lists, dicts) and never judge anything: judging happens in the grader process.  One module per
+lecture (``data``, ``tensor``, ``pipeline``, ``sequence``, ``moe``, ``compose``); this package holds the
+generic ones and :func:`guarded`, which every multi-rank call goes through: it switches off what
+the exercise's learner may not use (:func:`lock`), puts the given code back as it was frozen
+(:mod:`exercises.grading.frozen`), runs the harness, and refuses a result computed with changed
+given code.  The grader's checks (``exercises/grading/checks/``) are not imported here.
 """
 from __future__ import annotations
 
@@ -15,13 +20,41 @@ def function(module: str, name: str):
     return getattr(importlib.import_module(module), name)
 
 
-def with_allowed_comm(module: str, allowed: Sequence[str], exercise: str, harness: str, *args: Any) -> Any:
-    """Switch off the communication the exercise does not offer (before the learner's module is
-    imported in this rank), then run ``harness(module, *args)``."""
-    from .allowed_comm import allow_only
-    allow_only(allowed, exercise)
+def lock(spec: dict, *, in_rank: bool) -> None:
+    """Apply an exercise's lockdown (``Exercise.lockdown()``) in this process: its production
+    shortcuts and mirrors switched off; in a rank also the communication its learner may not use
+    (which needs the rank's process group up, and removes the store's data methods).  Idempotent."""
+    import sys
+
+    from ..shortcuts import hide_grader, switch_off, switch_off_mirrors
+    hide_grader()
+    ex = spec.get("exercise", "?")
+    switch_off(spec.get("shortcuts", ()), ex)
+    switch_off_mirrors(spec.get("mirrors", ()), ex)
+    if in_rank and spec.get("comm") is not None:
+        from ..allowed_comm import allow_only
+        drivers = sorted(m for m in sys.modules if m == "reference" or m.startswith("reference."))
+        allow_only(spec["comm"], ex, limits=spec.get("limits"), driver=spec.get("driver_comm", ()),
+                   driver_modules=drivers if spec.get("driver_comm") else ())
+
+
+def guarded(module: str, spec: dict, harness: str, *args: Any) -> Any:
+    """On a rank: :func:`lock` the exercise, restore the frozen given code, run
+    ``harness(module, *args)``, then refuse the result if the learner's code changed given code."""
+    from .. import frozen
+    if frozen.current() is None:          # a spawned rank (GRADER_SPAWN=1): freeze here, before any learner code
+        lock(spec, in_rank=False)
+        frozen.load_given()
+        frozen.take()
+    lock(spec, in_rank=True)
+    snapshot = frozen.current()
+    snapshot.restore()
+    importlib.import_module(module)   # what the learner's module changes as it is imported ...
+    snapshot.restore()                # ... is undone; what its functions change while they run is refused
     mod, _, name = harness.partition(":")
-    return getattr(importlib.import_module(mod), name)(module, *args)
+    value = getattr(importlib.import_module(mod), name)(module, *args)
+    snapshot.verify()
+    return value
 
 
 def call(module: str, name: str, args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
