@@ -219,11 +219,12 @@ def test_reloading_or_reimporting_the_reference_finds_only_stubs_when_code_runs_
     proc, doc = run_grade(tmp_path, "reloads_reference", ("0.1", "0.2"), env=env, timeout=20)
     assert doc is not None, proc.stderr[-3000:]
     assert doc["score"] == 0, [(t["name"], t["output"][:300]) for t in doc["tests"] if t["score"]]
-    # the attack is real: run as the grader itself (local mode, which the docs warn trusts the code)
-    # the reloaded module is the full reference
+    # run as the grader itself (local mode, which the docs warn trusts the code) the reloaded module
+    # is the full reference: the frozen given code notices the reload and refuses the result
     env.pop("GRADER_RUN_AS")
     proc, doc = run_grade(tmp_path, "reloads_reference", ("0.1",), env=env, timeout=20)
-    assert doc is not None and doc["score"] > 0, proc.stderr[-3000:]
+    assert doc is not None and doc["score"] == 0, proc.stderr[-3000:]
+    assert any("changed the course's given code" in t["output"] for t in doc["tests"]), doc["tests"][0]["output"]
     assert "runs submitted code as you" in (ROOT / "docs" / "teachers.md").read_text()
 
 
@@ -234,6 +235,8 @@ def test_the_runner_imports_a_stripped_course_without_hidden_checks(tmp_path, mo
         d = Path(core.runtime_dir())
         text = (d / "reference" / "collectives.py").read_text()
         assert not (d / "exercises" / "grading" / "hidden.py").exists()
+        assert not (d / "exercises" / "grading" / "checks").exists()          # the grader's inputs and truths
+        assert not (d / "exercises" / "grading" / "core.py").exists()
         assert not list(d.rglob("oracle_answers.pt"))
         assert "def ring_all_reduce" in text and "exercises.collectives" in text
         full = (ROOT / "reference" / "collectives.py").read_text()

@@ -135,8 +135,10 @@ def test_monkeypatching_allclose_feedback_and_reference_changes_no_verdict(tmp_p
     ex = by_exercise(doc)
     assert_score_is_sum(doc)
     failed = [t for t in ex["0.1"] if t["status"] == "failed"]
-    assert len(failed) >= 3 and all("differs" in t["output"] for t in failed)
-    assert "equals this rank's input" in failed[0]["output"]   # a detector named the mistake
+    # patching the reference while it runs is refused, naming the change (the frozen given code);
+    # patching torch.allclose or the feedback module changes no verdict: those are the grader's own
+    assert len(failed) >= 3 and all("changed the course's given code" in t["output"] for t in failed)
+    assert "reference.collectives.ring_all_reduce was replaced" in failed[0]["output"]
     assert full_marks(ex["0.2"])
 
 

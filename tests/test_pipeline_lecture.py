@@ -46,8 +46,10 @@ def backward_step(microbatch, link, stash):
 
 
 def bubble_fraction(name, num_stages, num_microbatches, *, virtual_stages=1):
-    from reference.pipeline.schedules import _check
-    _check(name, num_stages, num_microbatches, virtual_stages)
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    if name not in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1") or (name in ("1f1b", "zb_h1") and m < p) \
+            or (name == "interleaved_1f1b") != (v > 1) or (name == "interleaved_1f1b" and m % p):
+        raise ValueError(name)
     return (num_stages - 1) / (virtual_stages * num_microbatches)      # MISTAKE: relative to the ideal time
 '''
 

@@ -1,0 +1,111 @@
+"""Grades that mean the learner wrote it (issue: grader round 2).
+
+One fixture per attack under ``tests/submissions/``: each earns nothing on the checks it attacks,
+graded as the autograder grades (fresh inputs).  The reference earns full marks with and without
+fresh inputs; every check that carries points draws different inputs under another seed; the
+autograder bundle is refused when its reference does not score full marks.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from exercises.grading import core, sandbox
+
+# fixture -> (exercise it attacks, what stops it, the most it may score)
+ATTACKS = {
+    # the attacks of the issue
+    "dtensor_fg": ("4.1", "DTensor's entry points and functional collectives switched off", 0),
+    "dtensor_linears": ("4.2", "DTensor's entry points and functional collectives switched off", 0),
+    "loss_parallel": ("4.3", "loss_parallel and DTensor switched off", 0),
+    "gather_logits": ("4.3", "no all-gather in 4.3; an all-reduce carries a few numbers per token", 0),
+    "torch_1f1b": ("4.4", "torch.distributed.pipelining's schedules switched off", 0),
+    "given_bubble": ("4.6", "the planner's bubble and the schedules' rules switched off (mirrors)", 0),
+    "no_overlap": ("3.2", "overlap shown in values: a bucket reduced only in finish_buckets carries the wrong gradients", 7),
+    "grader_tables": ("3.2", "no fixed tables; the grader's checks are not importable where code runs", 0),
+    # invented against 3.1, 3.3, 3.4, 5c.1-5c.3
+    "seed_replay": ("3.1", "fresh inputs: the published seeds are not the autograder's", 0),
+    "zero_redundancy": ("3.3", "ZeroRedundancyOptimizer switched off; its broadcasts refused at the dispatcher", 0),
+    "patched_driver": ("3.3", "the given driver frozen: restored before every call", 0),
+    "patched_class": ("3.2", "the given class frozen: a changed method is restored and the result refused", 0),
+    "fsdp2_driver": ("3.4", "the given driver frozen; FSDP's entry points switched off", 0),
+    "rank_grid": ("5c.1", "RankGrid's group listing switched off (a mirror)", 0),
+    "composed_average": ("5c.2", "the composed run's dense average is the graded function's own body", 0),
+    "planner_bytes": ("5c.3", "the planner and the grader's case builder switched off (mirrors)", 0),
+}
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """Grade on fresh inputs, as run_autograder does (the salt is reset afterwards)."""
+    def use(secret: bytes) -> None:
+        monkeypatch.setattr(core, "_SALT", secret)
+    return use
+
+
+@pytest.mark.parametrize("fixture", sorted(ATTACKS))
+def test_an_attack_earns_nothing_on_what_it_attacks(fixture, fresh, no_orphans):
+    ex_id, stopped_by, most = ATTACKS[fixture]
+    fresh(os.urandom(32))
+    (res,) = core.grade(f"tests.submissions.{fixture}", [ex_id], include_hidden=True, timeout=30)
+    earned = [(c.name, c.score) for c in res.checks if c.score]
+    assert res.score <= most, (stopped_by, earned)
+    assert res.score < res.max_score, stopped_by
+
+
+def test_the_no_overlap_attack_loses_exactly_the_overlap_check_and_is_told_why(fresh, no_orphans):
+    fresh(os.urandom(32))
+    (res,) = core.grade("tests.submissions.no_overlap", ["3.2"], include_hidden=False, timeout=30)
+    lost = [c for c in res.checks if not c.passed and c.max_score > 0]
+    assert [c.name for c in lost] == [c.name for c in res.checks if c.name.startswith("overlap, shown in values")]
+    assert "posted only in finish_buckets" in lost[0].message
+
+
+def _digest(request: tuple) -> str:
+    return hashlib.sha256(core.Oracle.key("request", request[1:], {}).encode()).hexdigest()
+
+
+def _grade_recording(monkeypatch, solutions: str, secret: bytes | None):
+    """Grade the whole course (hidden checks included); also {(exercise, check): request digests}."""
+    seen: dict[tuple[str, str], set[str]] = {}
+    current: list[tuple[str, str]] = [("", "")]
+    call = sandbox.Runner.call
+
+    def recording(self, request, timeout):
+        if request[0] in ("local", "ranks"):
+            seen.setdefault(current[0], set()).add(_digest(request))
+        return call(self, request, timeout)
+
+    def progress(line: str) -> None:
+        ex_id, _, rest = line.partition(" ")
+        current[0] = (ex_id, rest.rsplit(" ...", 1)[0])
+
+    monkeypatch.setattr(sandbox.Runner, "call", recording)
+    monkeypatch.setattr(core, "_SALT", secret)
+    try:
+        results = core.grade(solutions, include_hidden=True, progress=progress)
+    finally:
+        monkeypatch.setattr(sandbox.Runner, "call", call)
+        monkeypatch.setattr(core, "_SALT", None)
+    return results, seen
+
+
+def test_the_reference_earns_full_marks_on_fresh_inputs_and_every_check_draws_new_ones(monkeypatch, no_orphans):
+    runs = [_grade_recording(monkeypatch, "reference", s) for s in (None, os.urandom(32), os.urandom(32))]
+    for results, _ in runs:
+        lost = [(r.exercise.id, c.name, c.message[:200]) for r in results for c in r.checks if not c.passed]
+        assert not lost, lost
+    (published_results, published), *salted = runs
+    points = {(r.exercise.id, c.name): c.max_score for r in published_results for c in r.checks}
+    fixed = [key for key, digests in published.items() if points.get(key, 0) > 0
+             and all(seen.get(key) == digests for _, seen in salted)]
+    assert not fixed, f"checks whose inputs do not change with the seed: {fixed}"
+
+
+def test_make_autograder_refuses_a_bundle_whose_reference_loses_points_on_fresh_inputs(tmp_path):
+    from exercises.grading import release
+    with pytest.raises(RuntimeError, match="does not score full marks on fresh inputs"):
+        release.build_autograder(tmp_path, verify_ids=["3.1"], verify_with="tests.submissions.seed_replay")
+    assert not (tmp_path / "autograder.zip").exists()
