@@ -302,9 +302,12 @@ def bubble_fraction(name: str, num_stages: int, num_microbatches: int, *, virtua
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in (p, m, v)):
         raise ValueError(f"num_stages, num_microbatches and virtual_stages must be integers >= 1, got {p!r}, {m!r}, {v!r}")
-    if (name == "interleaved_1f1b") != (v > 1) or (name == "interleaved_1f1b" and m % p):
-        raise ValueError(f"{name} with virtual_stages={v}, m={m}, p={p}: interleaving needs v >= 2 chunks per rank "
-                         "and m a multiple of p; the other schedules run one chunk per rank")
+    if name == "interleaved_1f1b" and v < 2:
+        raise ValueError("interleaved_1f1b needs virtual_stages >= 2 (model chunks per rank)")
+    if name == "interleaved_1f1b" and m % p:
+        raise ValueError(f"interleaved_1f1b: num_microbatches ({m}) must be a multiple of num_stages ({p})")
+    if name != "interleaved_1f1b" and v != 1:
+        raise ValueError(f"virtual_stages={v} needs an interleaved schedule; {name!r} runs one chunk per rank")
     if name in ("1f1b", "zb_h1") and m < p:
         raise ValueError(f"{name} needs num_microbatches >= num_stages (got m={m} < p={p})")
     work = {"gpipe": m, "1f1b": m, "interleaved_1f1b": v * m, "zb_h1": 3 * m}[name]
