@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from reference.data import demos  # noqa: E402
+from reference.data import lecture  # noqa: E402
 from reference.data.workers import time_steps  # noqa: E402
 from reference.launch import World  # noqa: E402
 from reference.widgets.buckets import timeline_stats  # noqa: E402
@@ -48,7 +48,7 @@ def main() -> None:
                 for m in (ours, theirs):
                     best[m] = min(best[m], max(world.run(time_steps, m, **kw).values))
             print(f"{ours:10s} {theirs:12s} {best[ours]:12.4f} {best[theirs]:15.4f} {best[theirs] / best[ours]:18.2f}×")
-    runs = demos.ddp_runs(layers=kw["layers"], width=kw["width"], rows=kw["rows"], repeats=3)
+    runs = lecture.ddp_runs(layers=kw["layers"], width=kw["width"], rows=kw["rows"], repeats=3)
     print("\nDataParallel, one traced backward per setting (rank 0):")
     for label, run in runs["timelines"].items():
         s = timeline_stats(run["trace"])[0]

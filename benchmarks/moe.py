@@ -53,10 +53,9 @@ for p in (HERE, ROOT):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import peers  # noqa: E402  (benchmarks/peers.py)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-import peers  # noqa: E402  (benchmarks/peers.py)
 
 from reference import comm  # noqa: E402
 from reference.moe import Expert, ExpertParallelMoE, MoELayer, expert_capacity  # noqa: E402

@@ -36,27 +36,27 @@ from reference.launch import World  # noqa: E402
 
 
 def _model_and_batch(layers, width, batch):
-    from reference.pipeline import demos, split_model
-    model = demos.make_model(layers, width, out_features=width, dtype="float32")
-    x, y = demos.make_batch(batch, width, out_features=width, dtype="float32")
+    from reference.pipeline import split_model, workers
+    model = workers.make_model(layers, width, out_features=width, dtype="float32")
+    x, y = workers.make_batch(batch, width, out_features=width, dtype="float32")
     return split_model(model, dist.get_world_size())[dist.get_rank()], x, y
 
 
 def time_steps(impl: str, schedule: str, num_microbatches: int, *, layers: int, width: int, batch: int,
                steps: int) -> float:
     """Median seconds per training step of ``impl`` ("ours" or "torch") on this rank."""
-    from reference.pipeline import demos, infer_shapes, run_pipeline
+    from reference.pipeline import infer_shapes, run_pipeline, workers
     stage, x, y = _model_and_batch(layers, width, batch)
     r, p = dist.get_rank(), dist.get_world_size()
     if impl == "ours":
         shapes = infer_shapes([stage], (batch // num_microbatches, width), x.dtype)
 
         def step():
-            run_pipeline(stage, schedule, x, y, demos.mse, num_microbatches=num_microbatches, shapes=shapes)
+            run_pipeline(stage, schedule, x, y, workers.mse, num_microbatches=num_microbatches, shapes=shapes)
     else:
         from torch.distributed.pipelining import PipelineStage
         pipe = PipelineStage(stage, r, p, torch.device("cpu"))
-        sched = demos.torch_schedule_class(schedule)(pipe, num_microbatches, loss_fn=demos.mse)
+        sched = workers.torch_schedule_class(schedule)(pipe, num_microbatches, loss_fn=workers.mse)
 
         def step():
             if r == 0:

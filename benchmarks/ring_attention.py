@@ -33,10 +33,9 @@ for p in (HERE, ROOT):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import peers  # noqa: E402  (benchmarks/peers.py)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-import peers  # noqa: E402  (benchmarks/peers.py)
 
 PEER_PACKAGES = ["ring-attention-pytorch==0.5.20", "einops", "beartype", "jaxtyping", "wadler_lindig"]
 
@@ -107,6 +106,7 @@ def peer_check_worker(S, H, D, causal):
     """The peer's output on a small problem, this rank's shard (striped when causal)."""
     peers.add_to_path()
     from ring_attention_pytorch import ring_flash_attn
+
     from reference.sequence import shard_sequence
     W, r = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(1)

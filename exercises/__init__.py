@@ -13,11 +13,11 @@ def check(*ids: str, solutions: str = "exercises", timeout: float = 60.0):
     Your code runs in separate processes with a time limit, so a hang or a crash fails the check
     with a message instead of freezing the notebook.
     """
-    from .grading import core, report
+    from .grading import report, session
 
-    results = core.grade(solutions, list(ids) or None, timeout=timeout)
+    results = session.grade(solutions, list(ids) or None, timeout=timeout)
     if solutions == "exercises":   # demos replay the learner's own run once its exercise passes
-        from reference import recorded
+        from reference.notebook import recorded
         recorded.note_passed([r.exercise.id for r in results if r.score == r.max_score],
                              [r.exercise.id for r in results if r.score < r.max_score])
     return _Summary(results, report)
@@ -66,7 +66,7 @@ def _shown_by_stub(exercise_id: str, tiers: list[str]) -> int:
     return int(any(tiers[0] in m for m in stub_messages(exercise_id)))
 
 
-def hint(exercise_id: str, tier: int | None = None) -> "_Hint":
+def hint(exercise_id: str, tier: int | None = None) -> _Hint:
     """The next hint for an exercise (``hint("5a.3")``), one tier further each call.  The message
     your stub raises is the first nudge; ``tier=`` shows one tier again."""
     tiers = hints().get(exercise_id)

@@ -15,7 +15,7 @@ hints, one tier at a time: ``from exercises.grading.checks.data import HINTS; HI
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

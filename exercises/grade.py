@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from .grading import core, report
+from .grading import core, report, session
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     progress = None if args.quiet else (lambda s: print("  grading", s, file=sys.stderr, flush=True))
-    core.contain()   # processes a submission detaches are still found and killed
+    session.contain()   # processes a submission detaches are still found and killed
     if args.oracle_answers:
         core.load_oracle_answers(args.oracle_answers)
     if args.fresh_inputs:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             report.junit(results, args.junit)
 
     try:
-        results = core.grade(args.solutions, args.ids or None, include_hidden=not args.no_hidden, progress=progress,
+        results = session.grade(args.solutions, args.ids or None, include_hidden=not args.no_hidden, progress=progress,
                              timeout=args.timeout, deadline=args.deadline,
                              on_exercise=lambda done: write(done, "grading was stopped before the end; "
                                                                   "this is the score of the exercises graded so far"))

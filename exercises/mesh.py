@@ -6,7 +6,7 @@ Check your work with ``check("5c.1")`` in the notebook or ``python -m exercises.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np  # noqa: F401  (arange/reshape/moveaxis help; plain loops work too)
 

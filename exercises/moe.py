@@ -12,7 +12,7 @@ plain ``torch.distributed`` works too).  Check your work with ``check("5b.1")`` 
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F  # noqa: F401  (one_hot, softmax: you will want them)

@@ -12,7 +12,7 @@ Check your work with ``check("4.4")`` in the notebook or ``python -m exercises.g
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -17,8 +17,12 @@ import torch
 import torch.nn.functional as F  # noqa: F401  (F.linear)
 
 from reference import comm  # noqa: F401  (traced all_reduce)
-from reference.tensor.regions import (gather_from_sequence_region, gather_from_tensor_region,  # noqa: F401
-                                      reduce_scatter_to_sequence_region, scatter_to_tensor_region)
+from reference.tensor.regions import (  # noqa: F401
+    gather_from_sequence_region,
+    gather_from_tensor_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_tensor_region,
+)
 
 __all__ = ["copy_to_tensor_region", "reduce_from_tensor_region", "linear_shard", "column_parallel_linear",
            "row_parallel_linear", "vocab_parallel_cross_entropy"]

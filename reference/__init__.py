@@ -1,16 +1,15 @@
-"""Splitting the Work — the course's reference implementations.
+"""Splitting the Work — the course's reference implementations, in layers (each imports only its own
+and the ones above it in this list; ``tests/test_import_layers.py`` keeps it so):
 
-Modules, in teaching order:
+    runtime       launch (run a function on N local ranks), rank_program (inside one rank), trace (the one
+                  event format), comm (traced collectives), saved (activation memory)
+    foundations   collectives (lecture 0: ring algorithms from send/recv), mesh (lecture 5c: the rank grid)
+    axes          data (3), tensor (4a), pipeline (4b), sequence (5a), moe (5b): one package per axis
+    composition   gpt (the tiny GPT), compose (5c: the axes on one grid), planner (which composition)
+    notebooks     notebook (quizzes, recordings, figures, lecture 0's runs), widgets, each axis's lecture.py
 
-    launch        run a function on N local ranks (run_world, World, WorldError)
-    trace         the one event format every axis records; comm: traced collectives
-    collectives   lecture 0: ring reduce-scatter, all-gather and all-reduce from send/recv
-    sequence      lecture 5a: blockwise and ring attention, zigzag/striped layouts, Ulysses, USP
-    moe           lecture 5b: GShard/Switch routing, capacity, expert parallelism over all-to-all
-    mesh          lecture 5c: RankGrid, the rank grid of a composed run (tp-cp-dp-pp, experts folded)
-    gpt           lecture 5c: the single-process tiny GPT every composed run is checked against
-    planner       lecture 5c: memory, bytes, time and what runs out first for a composition;
-                  published: the worked examples (Llama 3, GShard) with their sources
-    widgets       replay traces as animations in notebooks
+In every axis package a file name means one role: ``lecture.py`` the notebook's recorded runs,
+``workers.py`` rank functions, ``oracles.py`` the grader's single-process truths; the algorithm
+modules sit beside them.
 """
 __version__ = "0.1.0"

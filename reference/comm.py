@@ -16,8 +16,9 @@ communication should hide behind.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,22 @@ def new_group(ranks: Sequence[int], timeout: float | None = None) -> dist.Proces
     if timeout is None:
         timeout = _default_timeout()
     return dist.new_group(list(ranks), timeout=timedelta(seconds=timeout))
+
+
+_FIRST_RANKS: dict[int, dist.ProcessGroup] = {}
+
+
+def first_ranks_group(size: int) -> dist.ProcessGroup | None:
+    """The group of global ranks 0 … size−1 (None for the whole world), so that one kept-alive world
+    serves runs on 1 … W ranks (the others skip the run).  Created once per size, by every rank in
+    the same order (every rank runs the same workers)."""
+    if size == world_size():
+        return None
+    if not 1 <= size <= world_size():
+        raise ValueError(f"a run on {size} ranks needs 1 … {world_size()} ranks")
+    if size not in _FIRST_RANKS:
+        _FIRST_RANKS[size] = new_group(list(range(size)))
+    return _FIRST_RANKS[size]
 
 
 PG_TIMEOUT_ENV = "SPLITTING_PG_TIMEOUT"   # set by reference.launch in every rank: the world's own timeout

@@ -202,7 +202,7 @@ class TinyGPT(nn.Module):
 # ---------------------------------------------------------------------------------- training
 
 def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int = 0, dtype=torch.float64,
-                 model: TinyGPT | None = None, text: str | None = None, microbatches: int = 1, dp: int = 1,
+                 model: TinyGPT | None = None, text: str | None = None, num_microbatches: int = 1, dp: int = 1,
                  **config) -> list[float]:
     """Train the tiny GPT on one process with Adam; return the loss of every step.
 
@@ -210,7 +210,7 @@ def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int
     are initialised with ``torch.manual_seed(seed)``; batches come from :func:`get_batch`.  Pass
     ``model`` to keep training one (it is trained in place).
 
-    ``microbatches`` m > 1 (with ``dp``): accumulate each step's gradient over the m micro-batches
+    ``num_microbatches`` m > 1 (with ``dp``): accumulate each step's gradient over the m micro-batches
     a pipeline on dp replicas runs — micro-batch i = rows i·b/m … (i+1)·b/m − 1 of each replica's
     b = B/dp rows — with loss = Σ_i loss_i / m.  The same cross-entropy (up to rounding); the MoE
     aux loss becomes the mean over micro-batches of each one's aux loss, as Megatron's pipeline
@@ -221,13 +221,13 @@ def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int
         torch.manual_seed(seed)
         model = TinyGPT(GPTConfig(vocab=len(alphabet), **config)).to(dtype)
     groups = None
-    if microbatches > 1:
-        if batch_size % dp or (batch_size // dp) % microbatches:
-            raise ValueError(f"{microbatches} micro-batches on dp={dp} replicas must divide each replica's "
+    if num_microbatches > 1:
+        if batch_size % dp or (batch_size // dp) % num_microbatches:
+            raise ValueError(f"{num_microbatches} micro-batches on dp={dp} replicas must divide each replica's "
                              f"{batch_size}/{dp} rows")
-        b, n = batch_size // dp, batch_size // dp // microbatches
+        b, n = batch_size // dp, batch_size // dp // num_microbatches
         groups = [torch.cat([torch.arange(r * b + i * n, r * b + (i + 1) * n) for r in range(dp)])
-                  for i in range(microbatches)]
+                  for i in range(num_microbatches)]
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
@@ -236,7 +236,7 @@ def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int
             opt.zero_grad(set_to_none=True)
             total = 0.0
             for rows in groups:
-                loss = model.loss(x[rows], y[rows]) / microbatches
+                loss = model.loss(x[rows], y[rows]) / num_microbatches
                 loss.backward()
                 total += loss.item()
             opt.step()

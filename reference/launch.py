@@ -42,16 +42,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import connection as mpc
-from typing import Any, Callable
+from typing import Any
 
 from . import trace as _trace
+from .rank_program import START_TIMEOUT, _main_path
 
 __all__ = ["run_world", "World", "WorldError", "WorldResult", "RankFailure"]
 
 DEFAULT_TIMEOUT = 60.0      # seconds a run may take
-START_TIMEOUT = 120.0       # seconds ranks may take to import torch and rendezvous
 ERROR_GRACE = 1.0           # after a first error, how long to wait for other ranks' reports
 OUTPUT_LIMIT = int(os.environ.get("COURSE_RANK_OUTPUT_KB", "256")) * 1024   # what a rank prints per run, kept
 
@@ -133,32 +134,8 @@ def _check_callable(fn: Callable) -> None:
         raise ValueError(f"the ranks cannot receive {fn!r}: it does not pickle ({e})") from e
 
 
-def _main_path(fn: Callable) -> str | None:
-    """The script file a function defined in ``__main__`` lives in (ranks load it, see below)."""
-    if getattr(fn, "__module__", None) != "__main__":
-        return None
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
-    return os.path.abspath(path) if path else None
 
 
-def _load_main(path: str | None) -> None:
-    """In a rank: make ``__main__`` the caller's script, as multiprocessing's spawn does.
-
-    The file runs once per rank under the name ``__mp_main__`` (so its ``if __name__ ==
-    "__main__":`` block does not run again), and ``sys.modules["__main__"]`` points at it, so that
-    pickled references like ``__main__.work`` resolve.  Its folder joins ``sys.path`` for its imports.
-    """
-    if path is None or getattr(sys.modules.get("__mp_main__"), "__file__", None) == path:
-        return
-    import runpy
-    import types
-    folder = os.path.dirname(path)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    module = types.ModuleType("__mp_main__")
-    module.__file__ = path
-    module.__dict__.update(runpy.run_path(path, run_name="__mp_main__"))
-    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
 
 
 def _dumps_args(args: tuple, kwargs: dict) -> bytes:
@@ -211,7 +188,7 @@ class World:
     def alive(self) -> bool:
         return bool(self._procs) and all(p.poll() is None for p in self._procs)
 
-    def __enter__(self) -> "World":
+    def __enter__(self) -> World:
         self.start()
         return self
 
@@ -224,7 +201,7 @@ class World:
         except Exception:
             pass
 
-    def start(self) -> "World":
+    def start(self) -> World:
         """Start the ranks and wait until every one has joined the process group."""
         if self.alive:
             return self
@@ -477,5 +454,3 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAUL
 # Inside a rank
 
 
-# The rank side (kept importable from here: spawned ranks run ``from reference.launch import _rank_main``)
-from .rank_program import _rank_main  # noqa: E402,F401

@@ -60,10 +60,15 @@ carved from the contiguous data × context block of each stage, which pp-outermo
 it lists groups by plain arithmetic (not a DeviceMesh) so the planner and the widget can use them
 without a running world.  :meth:`RankGrid.group` then creates them through
 :func:`reference.comm.new_group`, so they get the launched world's timeout.
+
+Words, as torchtitan uses them: an *axis* is a dimension of the rank grid (tp, cp, dp, pp, ep,
+edp; their group sizes are the grid's *degrees*, passed as ``RankGrid(world, dp=…, tp=…)`` or a
+``sizes`` dict); a *dim* is a dimension of a tensor.  Drawing the grid is the notebook's job
+(``reference.notebook.plots.grid_text`` and ``grid_plot``).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -258,78 +263,10 @@ class RankGrid:
             self._groups[axis] = mine
         return self._groups[axis][1]
 
-    # ------------------------------------------------------------------ rendering
-
     def __repr__(self) -> str:
         extra = f", ep={self.ep}" if self.ep > 1 else ""
         r = f", rank={self.rank}" if self.rank is not None else ""
         return f"RankGrid({self.world_size}, tp={self.tp}, cp={self.cp}, dp={self.dp}, pp={self.pp}{extra}{r})"
-
-    def render_text(self, devices_per_node: int | None = None) -> str:
-        """The grid as text: one block per pipeline stage, rows = dp, columns = cp, ``[..]`` = a tp group."""
-        w = len(str(self.world_size - 1))
-        lines = [f"{self!r}   order tp-cp-dp-pp (tensor fastest-varying)"]
-        for p in range(self.pp):
-            lines.append(f"pp stage {p}:")
-            head = " " * 7 + "".join(f"cp {c}".ljust(self.tp * (w + 1) + 3) for c in range(self.cp))
-            if self.cp > 1:
-                lines.append(head.rstrip())
-            for d in range(self.dp):
-                cells = []
-                for c in range(self.cp):
-                    members = " ".join(str(r).rjust(w) for r in self._dense[p, d, c])
-                    cells.append(f"[{members}]")
-                lines.append(f"  dp {d}".ljust(7) + "  ".join(cells))
-        for axis in ("tp", "cp", "dp", "pp") + (("ep", "edp") if self.ep > 1 else ()):
-            if self.sizes[axis] == 1:
-                continue
-            groups = self.all_groups(axis)
-            shown = " ".join("{" + ",".join(map(str, g)) + "}" for g in groups[:8])
-            more = f" … ({len(groups)} groups)" if len(groups) > 8 else ""
-            node = ""
-            if devices_per_node:
-                node = "   crosses nodes" if self.crosses_nodes(axis, devices_per_node) else "   inside a node"
-            lines.append(f"{axis:>3} groups (size {self.sizes[axis]}): {shown}{more}{node}")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.render_text()
-
-    def plot(self, axis: str = "tp", *, ax=None, devices_per_node: int | None = None):
-        """Draw the ranks as a grid of cells coloured by their group on ``axis``; returns the Axes.
-
-        Columns: rank mod (tp·cp); rows: rank div (tp·cp) — so each row is one (dp, pp) slice and
-        pipeline stages are separated by thick lines.  Node boundaries (if given) are dashed.
-        """
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import ListedColormap
-
-        if ax is None:
-            _, ax = plt.subplots(figsize=(min(1 + 0.6 * self.tp * self.cp, 12), min(1 + 0.5 * self.dp * self.pp, 10)))
-        cols = self.tp * self.cp
-        rows = self.world_size // cols
-        colour = np.zeros(self.world_size, dtype=int)
-        for i, g in enumerate(self.all_groups(axis)):
-            colour[g] = i
-        base = plt.get_cmap("tab20").colors
-        cmap = ListedColormap([base[i % len(base)] for i in range(colour.max() + 1)])
-        ax.imshow(colour.reshape(rows, cols), cmap=cmap, aspect="auto", interpolation="nearest",
-                  vmin=-0.5, vmax=colour.max() + 0.5)
-        if self.world_size <= 256:
-            for r in range(self.world_size):
-                ax.text(r % cols, r // cols, str(r), ha="center", va="center", fontsize=8)
-        for p in range(1, self.pp):
-            ax.axhline(p * self.dp - 0.5, color="black", lw=2.5)
-        if devices_per_node:
-            for b in range(devices_per_node, self.world_size, devices_per_node):
-                if b % cols == 0:
-                    ax.axhline(b // cols - 0.5, color="white", lw=1.5, ls="--")
-                else:
-                    ax.axvline(b % cols - 0.5, color="white", lw=1.5, ls="--")
-        ax.set_xticks(range(cols), [f"c{c}t{t}" for c in range(self.cp) for t in range(self.tp)], fontsize=7)
-        ax.set_yticks(range(rows), [f"p{p}d{d}" for p in range(self.pp) for d in range(self.dp)], fontsize=7)
-        ax.set_title(f"{self!r}: {axis} groups — {_DESCRIPTIONS[axis]}", fontsize=9)
-        return ax
 
     @staticmethod
     def describe(axis: str) -> str:
@@ -337,6 +274,3 @@ class RankGrid:
         return _DESCRIPTIONS[axis]
 
 
-def groups_as_sets(groups: Sequence[Sequence[int]]) -> set[frozenset[int]]:
-    """Groups as a set of frozensets (order-free comparison in tests and graders)."""
-    return {frozenset(g) for g in groups}

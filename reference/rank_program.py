@@ -19,10 +19,12 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing import connection as mpc
-from typing import Callable
 
 from . import trace as _trace
+
+START_TIMEOUT = 120.0       # seconds ranks may take to import torch and rendezvous
 
 STATUS_BYTES = 240          # the status line a rank shares with its parent
 
@@ -207,6 +209,34 @@ def _install_status_wrappers(status: _Status) -> None:
     dist.batch_isend_irecv = batch_isend_irecv
 
 
+def _main_path(fn: Callable) -> str | None:
+    """The script file a function defined in ``__main__`` lives in (ranks load it, see below)."""
+    if getattr(fn, "__module__", None) != "__main__":
+        return None
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return os.path.abspath(path) if path else None
+
+
+def _load_main(path: str | None) -> None:
+    """In a rank: make ``__main__`` the caller's script, as multiprocessing's spawn does.
+
+    The file runs once per rank under the name ``__mp_main__`` (so its ``if __name__ ==
+    "__main__":`` block does not run again), and ``sys.modules["__main__"]`` points at it, so that
+    pickled references like ``__main__.work`` resolve.  Its folder joins ``sys.path`` for its imports.
+    """
+    if path is None or getattr(sys.modules.get("__mp_main__"), "__file__", None) == path:
+        return
+    import runpy
+    import types
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module = types.ModuleType("__mp_main__")
+    module.__file__ = path
+    module.__dict__.update(runpy.run_path(path, run_name="__mp_main__"))
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+
+
 def _rank_main(rank: int, fd: int, cfg: dict) -> None:
     """Entry point of one rank process (started by :meth:`World.start`)."""
     _die_with_parent(cfg["pdeathsig"])
@@ -214,7 +244,6 @@ def _rank_main(rank: int, fd: int, cfg: dict) -> None:
     link = _Link(conn)
     fwd = _OutputForwarder(link)
     status = _Status(link)
-    from . import launch as _launch
     try:
         from datetime import timedelta
 
@@ -228,7 +257,7 @@ def _rank_main(rank: int, fd: int, cfg: dict) -> None:
                           MASTER_PORT=str(cfg["port"]), SPLITTING_PG_TIMEOUT=str(cfg["pg_timeout"]))
         if cfg["backend"] == "nccl":
             torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
-        store = dist.TCPStore("127.0.0.1", cfg["port"], None, False, timedelta(seconds=_launch.START_TIMEOUT))
+        store = dist.TCPStore("127.0.0.1", cfg["port"], None, False, timedelta(seconds=START_TIMEOUT))
         dist.init_process_group(cfg["backend"], store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=cfg["pg_timeout"]))
         _install_status_wrappers(status)
@@ -250,7 +279,7 @@ def _rank_main(rank: int, fd: int, cfg: dict) -> None:
         if record:
             _trace.start(rank)
         try:
-            _launch._load_main(main_path)
+            _load_main(main_path)
             fn = pickle.loads(fn)
             args, kwargs = pickle.loads(payload)
             value = fn(*args, **kwargs)

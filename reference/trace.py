@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 COMM_OPS = ("send", "recv", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier")
 
@@ -64,7 +65,7 @@ class Trace(list):
     """A list of :class:`Event` with the few queries lectures and tests keep asking."""
 
     def filter(self, op: str | Iterable[str] | None = None, rank: int | None = None,
-               step: int | None = None, **meta: Any) -> "Trace":
+               step: int | None = None, **meta: Any) -> Trace:
         ops = {op} if isinstance(op, str) else (set(op) if op is not None else None)
         out = Trace()
         for e in self:
@@ -103,7 +104,7 @@ class Trace(list):
     def steps(self) -> list[int]:
         return sorted({e.step for e in self if e.step is not None})
 
-    def relative(self) -> "Trace":
+    def relative(self) -> Trace:
         """A copy whose times start at 0 (the earliest event's start)."""
         if not self:
             return Trace()
@@ -111,7 +112,7 @@ class Trace(list):
         return Trace(Event(e.rank, e.op, e.peer, e.nbytes, e.step, e.start - t0, e.end - t0, dict(e.meta))
                      for e in self)
 
-    def sorted(self) -> "Trace":
+    def sorted(self) -> Trace:
         return Trace(sorted(self, key=lambda e: (e.start, e.rank)))
 
 

@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     m = args.microbatches or args.pp
     if args.single:
         from reference.gpt import train_single
-        same_microbatches = dict(microbatches=m, dp=args.dp) if args.experts and args.pp > 1 else {}
+        same_microbatches = dict(num_microbatches=m, dp=args.dp) if args.experts and args.pp > 1 else {}
         for step, loss in enumerate(train_single(args.steps, batch_size=args.batch_size, lr=args.lr,
                                                  seed=args.seed, **same_microbatches, **config)):
             print(f"step {step} loss {loss:.17g}", flush=True)

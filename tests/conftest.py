@@ -74,9 +74,9 @@ def course_grades():
     took): the whole course graded once per session and shared by the tests that need it."""
     def get(solutions: str):
         if solutions not in _grades:
-            from exercises.grading import core
+            from exercises.grading import session
             t0 = time.perf_counter()
-            results = core.grade(solutions, include_hidden=True)
+            results = session.grade(solutions, include_hidden=True)
             _grades[solutions] = (results, time.perf_counter() - t0)
         return _grades[solutions]
     return get
@@ -84,7 +84,7 @@ def course_grades():
 
 # -- the student release, built once per session -----------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def release_ids() -> list[str]:
     """One exercise per learner module, in course order: 0.1, 5a.1, 5b.1, ... (whatever is registered);
     recording reference answers for these bounds the build time, the scans cover every function."""
@@ -156,7 +156,7 @@ def grading_cell(source: str) -> bool:
 def pytest_collection_modifyitems(config, items):
     """Under nbval (``make test`` runs the repository's notebooks), a grading cell is not executed: with the
     stubs it only grades them, which ``course_grades("exercises")`` does for every exercise (the same
-    ``core.grade``, hidden checks included; tests/test_grader_reports.py), tests/test_notebook_demos.py checks
+    ``session.grade``, hidden checks included; tests/test_grader_reports.py), tests/test_notebook_demos.py checks
     that every id a notebook grades is registered, and tests/test_browser.py runs a grading cell of every
     release notebook in JupyterLab (``check`` and its summary in a notebook).  The other cells run as before."""
     skip = pytest.mark.skip(reason="grading cell: graded by course_grades('exercises') and in the browser test")

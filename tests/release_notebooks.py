@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-NEEDS_SOLUTION = "needs your solution"      # what reference.course.needs prints when a cell hits a stub
+NEEDS_SOLUTION = "needs your solution"      # what reference.notebook.course.needs prints when a cell hits a stub
 WHERE = "import reference, exercises\nprint('IMPORTED', reference.__file__, exercises.__file__)"
 
 

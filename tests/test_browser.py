@@ -81,7 +81,7 @@ def lab(tmp_path_factory, request):
                     break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("JupyterLab did not start:\n" + (tmp / "lab.log").read_text()[-3000:])
+                    raise RuntimeError("JupyterLab did not start:\n" + (tmp / "lab.log").read_text()[-3000:]) from None
                 time.sleep(0.5)
         yield f"http://127.0.0.1:{port}", release
     finally:

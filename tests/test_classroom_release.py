@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from exercises.grading import core, release
-from tests.release_notebooks import WHERE, cell_text, explains, problems
 from tests.conftest import browser_available, release_ids
+from tests.release_notebooks import WHERE, cell_text, explains, problems
 
 ROOT = Path(__file__).resolve().parent.parent
 REGISTRY = core.load_checks()
@@ -64,7 +64,7 @@ def test_no_distinctive_solution_line_survives_anywhere_in_the_release(built):
     release_text = "\n".join(p.read_text(errors="replace") for p in built.rglob("*") if p.suffix in (".py", ".ipynb"))
     # what learners are shown anyway (stub hints, notebooks) is not a leak
     public = "\n".join(p.read_text() for p in list((ROOT / "exercises").glob("*.py")) + list((ROOT / "notebooks").glob("*.ipynb")))
-    import exercises   # the tiered hints are shown to learners on purpose (hint("N.M"))
+    import exercises  # the tiered hints are shown to learners on purpose (hint("N.M"))
     public += "\n".join(t for tiers in exercises.hints().values() for t in tiers)
     bodies = {}
     for ex, name, fn in GRADED:

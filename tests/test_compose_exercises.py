@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from exercises.grading import core
+from exercises.grading import core, session
 
 SYNC = '''
 from reference import comm
@@ -86,7 +86,7 @@ def grade(tmp_path, monkeypatch, mistake: str | None, ids: list[str], only: str 
     (pkg / "compose.py").write_text(textwrap.dedent(SYNC.format(mistake=mistake)))
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        return {r.exercise.id: r for r in core.grade(name, ids, include_hidden=False)}
+        return {r.exercise.id: r for r in session.grade(name, ids, include_hidden=False)}
     finally:
         for m in [m for m in sys.modules if m.startswith(name)]:
             sys.modules.pop(m, None)

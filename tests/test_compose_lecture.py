@@ -1,10 +1,8 @@
 """Lecture 5c's teaching side: the planner widget's state function (pure) and its drawing."""
 from __future__ import annotations
 
-import pytest
-
 from reference.planner import Cluster, Composition, Model, plan
-from reference.published import H100_16K, LLAMA3_405B, LLAMA3_405B_16K_PLAN
+from reference.planner.published import H100_16K, LLAMA3_405B, LLAMA3_405B_16K_PLAN
 from reference.widgets.planner import draw_planner, planner_caption, planner_player, planner_state, shown_axes
 
 TINY = Model("tiny", layers=4, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=27, seq_len=32, global_batch=8,
@@ -70,8 +68,8 @@ def test_drawing_and_player_render_headless():
 # -- the notebook's composed runs (small sizes): what the plots and tables show is what the runs did ----------
 
 def test_composed_runs_demo_equals_one_process_and_its_byte_table_matches(world):
-    from reference import compose_demos
-    runs = compose_demos.composed_runs(steps=2, layers=2, d_model=16, heads=2, d_ff=32, seq_len=8,
+    from reference.compose import lecture
+    runs = lecture.composed_runs(steps=2, layers=2, d_model=16, heads=2, d_ff=32, seq_len=8,
                                        world=world(8))
     assert set(runs) == {"3D", "4D"} and runs["4D"]["moe"] and not runs["3D"]["moe"]
     for name, run in runs.items():
@@ -84,8 +82,8 @@ def test_composed_runs_demo_equals_one_process_and_its_byte_table_matches(world)
 
 
 def test_planner_vs_run_demo_is_exact_on_states_and_bytes(world):
-    from reference import compose_demos
-    out = compose_demos.planner_vs_run(layers=2, d_model=16, heads=2, d_ff=32, seq_len=8, world=world(8))
+    from reference.compose import lecture
+    out = lecture.planner_vs_run(layers=2, d_model=16, heads=2, d_ff=32, seq_len=8, world=world(8))
     assert sorted(out["ranks"]) == list(range(8))
     for r, v in out["ranks"].items():
         for kind in ("params", "grads", "optimizer"):

@@ -4,7 +4,7 @@ Float64.  For every grid, the loss of each of 3 Adam steps (the same on every ra
 ``reference.gpt.train_single``'s to 1e-10, and every parameter after the last step, unsharded
 and compared by its single-process name, equals the single process's to 1e-10.  (MoE layers in
 a pipeline of m > 1 micro-batches: one aux loss per micro-batch, so the truth is
-``train_single(…, microbatches=m, dp=dp)``, which accumulates over the same micro-batches.)  The bytes each
+``train_single(…, num_microbatches=m, dp=dp)``, which accumulates over the same micro-batches.)  The bytes each
 rank moves per axis, read back from the trace, equal the formulas of ``reference.compose.train``
 exactly (tp, cp, dp_cp, edp, pp on every rank; the EP dispatch payload).
 
@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from reference.compose import expected_bytes, measured_bytes, workers
-from reference.pipeline import balanced_sizes
 from reference.gpt import GPTConfig, TinyGPT, corpus, encode, train_single
 from reference.launch import WorldError
 from reference.mesh import RankGrid
+from reference.pipeline import balanced_sizes
 from reference.trace import COMM_OPS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,13 +37,13 @@ MOE = dict(DENSE, num_experts=4)                 # block 1 is MoE (moe_every=2),
 MOE_ALL = dict(MOE, moe_every=1)                 # both blocks MoE: with pp=2, one on each stage
 
 
-@functools.lru_cache(maxsize=None)
-def truth(config: tuple, microbatches: int = 1, dp: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+@functools.cache
+def truth(config: tuple, num_microbatches: int = 1, dp: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
     """train_single's losses and final parameters for ``config`` (a sorted tuple of items)."""
     _, alphabet = encode(corpus())
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab=len(alphabet), **dict(config))).to(torch.float64)
-    kw = dict(microbatches=microbatches, dp=dp) if microbatches > 1 else {}
+    kw = dict(num_microbatches=num_microbatches, dp=dp) if num_microbatches > 1 else {}
     losses = train_single(STEPS, batch_size=BATCH, model=model, **kw)
     assert losses == train_single(STEPS, batch_size=BATCH, **kw, **dict(config))
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -52,7 +52,7 @@ def truth(config: tuple, microbatches: int = 1, dp: int = 1) -> tuple[list[float
 def truth_microbatches(sizes: dict, config: dict, kw: dict) -> dict:
     """MoE layers in a pipeline: the truth accumulates over the same micro-batches (one aux loss each)."""
     if config.get("num_experts") and sizes.get("pp", 1) > 1:
-        return dict(microbatches=kw.get("num_microbatches", 1), dp=sizes.get("dp", 1))
+        return dict(num_microbatches=kw.get("num_microbatches", 1), dp=sizes.get("dp", 1))
     return {}
 
 

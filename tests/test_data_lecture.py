@@ -5,7 +5,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from reference.trace import Event, Trace
 from reference.widgets.buckets import draw_timeline, timeline_caption, timeline_state, timeline_stats
@@ -158,7 +157,7 @@ def reduce_scatter_grad(flat_grad, *, group=None, layer=None):  # MISTAKE: the s
 
 @pytest.fixture(scope="module")
 def mutant_results(tmp_path_factory):
-    from exercises.grading import core
+    from exercises.grading import session
     root = tmp_path_factory.mktemp("mutant")
     pkg = root / "data_mutant"
     pkg.mkdir()
@@ -166,7 +165,7 @@ def mutant_results(tmp_path_factory):
     (pkg / "data.py").write_text(textwrap.dedent(MUTANT))
     sys.path.insert(0, str(root))
     try:
-        yield {r.exercise.id: r for r in core.grade("data_mutant", ["3.1", "3.2", "3.3", "3.4"])}
+        yield {r.exercise.id: r for r in session.grade("data_mutant", ["3.1", "3.2", "3.3", "3.4"])}
     finally:
         sys.path.remove(str(root))
         sys.modules.pop("data_mutant", None)

@@ -11,10 +11,11 @@ seen in the trace, no_sync, and the failure modes.
 import pytest
 import torch
 
-from reference.launch import World, WorldError, run_world
 from reference.data import workers
 from reference.data.models import make_model
 from reference.data.zero import shard_size
+from reference.launch import WorldError, run_world
+from tests.workers import data_workers
 
 TOL = dict(atol=1e-12, rtol=1e-12)
 METHODS = ["ddp", "zero1", "zero2", "fsdp"]
@@ -199,10 +200,10 @@ def test_buckets_reverse_order_greedy_cap_tied_once_frozen_skipped(world):
     # TinyMLP in reverse registration order: proj.bias(6) proj.weight(60) hidden.1.0.bias(10)
     # hidden.1.0.weight(100) hidden.0.0.bias(10) hidden.0.0.weight(60) inp.bias(6) inp.weight(36, tied)
     cap = 600 / 2 ** 20    # 600 bytes = 75 float64
-    layout = world(2).run(workers.bucket_layout, cap).values[0]
+    layout = world(2).run(data_workers.bucket_layout, cap).values[0]
     assert layout == [["proj.bias", "proj.weight"], ["hidden.1.0.bias"], ["hidden.1.0.weight"],
                       ["hidden.0.0.bias", "hidden.0.0.weight"], ["inp.bias", "inp.weight"]]
-    one = world(2).run(workers.bucket_layout, 25.0).values[0]
+    one = world(2).run(data_workers.bucket_layout, 25.0).values[0]
     assert len(one) == 1 and len(one[0]) == 8 and "out.weight" not in one[0] and "scale" not in one[0]
 
 
@@ -238,7 +239,7 @@ def test_a_parameter_unused_on_some_ranks_does_not_hang_and_its_gradient_is_the_
 @pytest.mark.parametrize("method", ["ddp", "zero2", "fsdp"])
 def test_a_rank_with_a_different_model_gets_value_error_on_every_rank_naming_it(world, method):
     with pytest.raises(WorldError) as ei:
-        world(3).run(workers.mismatched_model, method)
+        world(3).run(data_workers.mismatched_model, method)
     err = ei.value
     assert err.kind == "exception" and all(f.exc_type == "ValueError" for f in err.failures.values())
     assert "rank(s) 1 " in str(err) or "rank(s) 1 " in next(iter(err.failures.values())).message
@@ -246,7 +247,7 @@ def test_a_rank_with_a_different_model_gets_value_error_on_every_rank_naming_it(
 
 def test_a_rank_that_skips_backward_is_a_timeout_naming_the_waiting_rank_and_its_bucket():
     with pytest.raises(WorldError) as ei:
-        run_world(workers.skip_backward, 2, "ddp", timeout=6)
+        run_world(data_workers.skip_backward, 2, "ddp", timeout=6)
     err = ei.value
     assert err.kind == "timeout" and 0 in err.ranks
     assert "all_reduce" in err.failures[0].blocked_in and "bucket=0" in err.failures[0].blocked_in

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from reference.gpt import GPTConfig, MoEMLP, TinyGPT, corpus, encode, get_batch, train_single
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """One thread, as every rank of a world runs (a shared 2-core machine spins OpenMP threads)."""
@@ -68,7 +67,7 @@ def test_attention_is_causal_multi_head_attention():
 def test_it_trains_loss_goes_down_over_20_steps(moe):
     kw = dict(SMALL, num_experts=4, top_k=2) if moe else SMALL
     losses = train_single(20, lr=1e-2, **kw)
-    assert len(losses) == 20 and all(math.isfinite(l) for l in losses)
+    assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
     assert abs(losses[0] - math.log(27)) < 0.5                                     # starts near uniform
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5, losses
 

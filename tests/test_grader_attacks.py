@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from exercises.grading import core, sandbox
+from exercises.grading import core, sandbox, session
 
 # fixture -> (exercise it attacks, what stops it, the most it may score)
 ATTACKS = {
@@ -49,7 +49,7 @@ def fresh(monkeypatch):
 def test_an_attack_earns_nothing_on_what_it_attacks(fixture, fresh, no_orphans):
     ex_id, stopped_by, most = ATTACKS[fixture]
     fresh(os.urandom(32))
-    (res,) = core.grade(f"tests.submissions.{fixture}", [ex_id], include_hidden=True, timeout=30)
+    (res,) = session.grade(f"tests.submissions.{fixture}", [ex_id], include_hidden=True, timeout=30)
     earned = [(c.name, c.score) for c in res.checks if c.score]
     assert res.score <= most, (stopped_by, earned)
     assert res.score < res.max_score, stopped_by
@@ -57,7 +57,7 @@ def test_an_attack_earns_nothing_on_what_it_attacks(fixture, fresh, no_orphans):
 
 def test_the_no_overlap_attack_loses_exactly_the_overlap_check_and_is_told_why(fresh, no_orphans):
     fresh(os.urandom(32))
-    (res,) = core.grade("tests.submissions.no_overlap", ["3.2"], include_hidden=False, timeout=30)
+    (res,) = session.grade("tests.submissions.no_overlap", ["3.2"], include_hidden=False, timeout=30)
     lost = [c for c in res.checks if not c.passed and c.max_score > 0]
     assert [c.name for c in lost] == [c.name for c in res.checks if c.name.startswith("overlap, shown in values")]
     assert "posted only in finish_buckets" in lost[0].message
@@ -85,7 +85,7 @@ def _grade_recording(monkeypatch, solutions: str, secret: bytes | None):
     monkeypatch.setattr(sandbox.Runner, "call", recording)
     monkeypatch.setattr(core, "_SALT", secret)
     try:
-        results = core.grade(solutions, include_hidden=True, progress=progress)
+        results = session.grade(solutions, include_hidden=True, progress=progress)
     finally:
         monkeypatch.setattr(sandbox.Runner, "call", call)
         monkeypatch.setattr(core, "_SALT", None)

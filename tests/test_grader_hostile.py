@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from exercises.grading import core, feedback
+from exercises.grading import core, feedback, sandbox, session
 from tests.conftest import nobody_who_can_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def scores(doc: dict) -> dict[str, float]:
 
 
 def _call(attack: str, timeout: float = 3.0):
-    runner = core.Runner("tests.submissions.hostile_runner").start()
+    runner = sandbox.Runner("tests.submissions.hostile_runner").start()
     try:
         runner.wait_ready(60)
         t0 = time.perf_counter()
@@ -232,7 +232,7 @@ def test_reloading_or_reimporting_the_reference_finds_only_stubs_when_code_runs_
 def test_the_runner_imports_a_stripped_course_without_hidden_checks(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADER_RUN_AS", "nobody")
     try:
-        d = Path(core.runtime_dir())
+        d = Path(sandbox.runtime_dir())
         text = (d / "reference" / "collectives.py").read_text()
         assert not (d / "exercises" / "grading" / "hidden.py").exists()
         assert not (d / "exercises" / "grading" / "checks").exists()          # the grader's inputs and truths
@@ -243,7 +243,7 @@ def test_the_runner_imports_a_stripped_course_without_hidden_checks(tmp_path, mo
         assert len(text) < len(full)                # the bodies are delegations now
         assert oct(d.stat().st_mode & 0o777) == "0o755"
     finally:
-        core.remove_scratch()
+        sandbox.remove_scratch()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,7 +280,7 @@ def test_without_the_guard_the_swap_earns_points_and_its_forged_trace_passes(mon
     events make the byte check pass.  (The attack is real; only the guard stops it.)"""
     registry = core.load_checks()
     monkeypatch.setattr(registry["0.1"], "comm", None)
-    (res,) = core.grade("tests.submissions.collective_swap", ["0.1"], include_hidden=False, timeout=20)
+    (res,) = session.grade("tests.submissions.collective_swap", ["0.1"], include_hidden=False, timeout=20)
     assert res.score == res.max_score > 0, [(c.name, c.message[:200]) for c in res.checks if not c.passed]
     forged = [c for c in res.checks if "bytes" in c.name]
     assert forged and forged[0].passed and forged[0].max_score == 0

@@ -4,8 +4,6 @@ it takes to grade the whole course with the reference as the submission."""
 from __future__ import annotations
 
 import json
-import os
-import time
 import xml.etree.ElementTree as ET
 
 import pytest

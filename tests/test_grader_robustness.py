@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from exercises.grading import core
+from exercises.grading import core, sandbox
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 3   # seconds per check: a hang or a deadlock costs this much
@@ -153,7 +153,7 @@ def test_submitted_code_can_run_as_an_unprivileged_user_and_cannot_touch_root_fi
                                                                                      monkeypatch):
     monkeypatch.setenv("GRADER_RUN_AS", "nobody")
     try:
-        core.preflight("tests")
+        sandbox.preflight("tests")
     except core.SetupError as e:     # this clone lies where nobody cannot reach (e.g. a mode-700 home folder)
         out = tmp_path / "results.json"
         proc = subprocess.run([sys.executable, "-m", "exercises.grade", "0.2", "--solutions", "tests.submissions.hang",

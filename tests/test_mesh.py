@@ -10,9 +10,11 @@ import itertools
 
 import pytest
 
+from reference.compose import workers as compose_workers
 from reference.launch import World
-from reference.mesh import AXES, RankGrid, groups_as_sets
-from reference import compose_demos
+from reference.mesh import AXES, RankGrid
+from reference.notebook import plots
+from tests.workers.mesh_workers import groups_as_sets
 
 
 def S(*groups):
@@ -178,7 +180,7 @@ def test_unknown_axis_and_missing_rank():
 
 
 def test_text_rendering_shows_groups_and_nodes():
-    text = RankGrid(16, tp=2, cp=2, dp=2, pp=2).render_text(devices_per_node=8)
+    text = plots.grid_text(RankGrid(16, tp=2, cp=2, dp=2, pp=2), devices_per_node=8)
     assert "pp stage 1:" in text and "[12 13]" in text
     assert "tp groups (size 2): {0,1} {2,3}" in text
     assert " pp groups (size 2): {0,8}" in text and "crosses nodes" in text
@@ -188,7 +190,7 @@ def test_plot_colours_cells_by_group():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    ax = RankGrid(8, tp=2, dp=2, pp=2).plot("dp", devices_per_node=4)
+    ax = plots.grid_plot(RankGrid(8, tp=2, dp=2, pp=2), "dp", devices_per_node=4)
     img = ax.get_images()[0].get_array()
     assert img.shape == (4, 2)
     # dp groups {0,2} {1,3} {4,6} {5,7}: rank 0 (row 0, col 0) and rank 2 (row 1, col 0) share a colour
@@ -207,7 +209,7 @@ def world4():
 def test_group_all_reduces_over_exactly_its_ranks(world4):
     grids = [dict(tp=2, pp=2), dict(cp=2, dp=2, ep=2)]      # every axis non-trivial in one of them
     axes = ["tp", "cp", "dp", "pp", "ep", "edp", "dp_cp"]
-    res = world4.run(compose_demos.group_sums, grids, axes)
+    res = world4.run(compose_workers.group_sums, grids, axes)
     for r, per_grid in enumerate(res.values):
         for sizes, got in zip(grids, per_grid):
             grid = RankGrid(4, **sizes)
@@ -223,7 +225,7 @@ def test_group_all_reduces_over_exactly_its_ranks(world4):
 @pytest.mark.parametrize("sizes", [dict(tp=2, pp=2), dict(cp=2, dp=2), dict(tp=2, dp=2)])
 def test_dense_grid_equals_pytorch_device_mesh_pp_dp_cp_tp(world4, sizes):
     """The production peer: init_device_mesh over (pp, dp, cp, tp), as torchtitan builds it."""
-    res = world4.run(compose_demos.device_mesh_groups, sizes)
+    res = world4.run(compose_workers.device_mesh_groups, sizes)
     grid = RankGrid(4, **sizes)
     for r, groups in enumerate(res.values):
         for axis, ranks in groups.items():
@@ -281,14 +283,14 @@ def rank_groups(sizes, order, axis):   # MISTAKE: the order read slowest-varying
 def test_grader_names_the_order_read_the_wrong_way_round(tmp_path, monkeypatch):
     import sys
 
-    from exercises.grading import core
+    from exercises.grading import session
     pkg = tmp_path / "mesh_mutant"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "mesh.py").write_text(MESH_MUTANT)
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        (res,) = core.grade("mesh_mutant", ["5c.1"], include_hidden=False)
+        (res,) = session.grade("mesh_mutant", ["5c.1"], include_hidden=False)
     finally:
         sys.modules.pop("mesh_mutant", None)
     failed = [c.message for c in res.checks if not c.passed]

@@ -17,7 +17,8 @@ import torch
 from exercises.grading import feedback as fb
 from exercises.grading.checks import moe as checks
 from reference.moe import load_balancing_loss, top_k_gating
-from reference.moe.demos import dispatch_combine_single, ep_dp_local_grads, routing_run
+from reference.moe.oracles import dispatch_combine_single, ep_dp_local_grads
+from reference.moe.workers import routing_run
 from reference.trace import Event
 from reference.widgets.routing import bytes_per_phase, phases, routing_state
 
@@ -273,8 +274,8 @@ def test_grad_sync_check_data_carries_the_balance_loss_and_a_summed_router_gradi
 
 
 def _grade(solutions: str, ids):
-    from exercises.grading import core
-    return {r.exercise.id: r for r in core.grade(solutions, ids)}
+    from exercises.grading import session
+    return {r.exercise.id: r for r in session.grade(solutions, ids)}
 
 
 @pytest.mark.slow

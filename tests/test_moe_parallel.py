@@ -11,6 +11,7 @@ import torch
 
 from reference.launch import World
 from reference.moe import workers
+from tests.workers import moe_workers
 
 ATOL = RTOL = 1e-10
 
@@ -149,7 +150,7 @@ def test_trace_has_route_events_and_forward_backward_all_to_alls(results):
 @pytest.mark.parametrize("W", [1, 2, 4])
 def test_all_to_all_backward_is_its_adjoint(world, W):
     splits = {1: [[3]], 2: [[2, 0], [1, 4]], 4: [[1, 0, 2, 3], [0, 0, 0, 5], [2, 2, 0, 1], [3, 0, 1, 0]]}[W]
-    res = world(W).run(workers.all_to_all_adjoint, splits, 3)
+    res = world(W).run(moe_workers.all_to_all_adjoint, splits, 3)
     vals = res.values
     lhs = sum(v["Ax_dot_g"] for v in vals)
     rhs = sum(v["x_dot_ATg"] for v in vals)
@@ -165,7 +166,7 @@ def test_all_to_all_backward_is_its_adjoint(world, W):
 
 def test_bad_input_on_one_rank_raises_value_error_on_every_rank(world):
     kinds = ["wrong_width", "unequal_tokens", "uneven_experts"]
-    res = world(2).run(workers.ep_bad_input, kinds, timeout=20)
+    res = world(2).run(moe_workers.ep_bad_input, kinds, timeout=20)
     for r, raised in enumerate(res.values):
         assert raised == ["ValueError"] * 3, f"rank {r}: {dict(zip(kinds, raised))}"
     assert not res.trace.filter(op="all_to_all")     # nothing was dispatched

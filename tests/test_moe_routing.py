@@ -193,8 +193,7 @@ def test_gshard_random_routing_drops_unchosen_second_experts_and_frees_their_slo
 
 @pytest.mark.parametrize("tokens,experts,cf", [(64, 4, 1.0), (96, 8, 0.5), (50, 3, 2.0)])
 def test_dense_einsum_dispatch_equals_index_dispatch(tokens, experts, cf):
-    from reference.moe.dense_dispatch import (dense_dispatch_combine, index_dispatch_combine,
-                                              random_routing)
+    from reference.moe.dense_dispatch import dense_dispatch_combine, index_dispatch_combine, random_routing
     k = 2
     capacity = math.ceil(k * cf * tokens / experts)
     r = random_routing(tokens, experts, k, capacity, seed=3)

@@ -6,7 +6,7 @@ import nbformat
 import pytest
 
 from exercises.grading import core
-from reference import recorded
+from reference.notebook import recorded
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from exercises.grading import core
+from exercises.grading import session
 
 IDS = ["4.4", "4.5", "4.6"]
 
@@ -89,8 +89,8 @@ def mutants(tmp_path_factory):
         (root / name / "pipeline.py").write_text(textwrap.dedent(src))
     sys.path.insert(0, str(root))
     try:
-        yield {"mutant": {r.exercise.id: r for r in core.grade("pipe_mutant", IDS, include_hidden=False)},
-               "acc": {r.exercise.id: r for r in core.grade("pipe_mutant_acc", ["4.5"], include_hidden=False)}}
+        yield {"mutant": {r.exercise.id: r for r in session.grade("pipe_mutant", IDS, include_hidden=False)},
+               "acc": {r.exercise.id: r for r in session.grade("pipe_mutant_acc", ["4.5"], include_hidden=False)}}
     finally:
         sys.path.remove(str(root))
         for name in ("pipe_mutant", "pipe_mutant_acc"):

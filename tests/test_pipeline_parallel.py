@@ -14,8 +14,9 @@ import time
 import pytest
 
 from reference.launch import World, WorldError, run_world
-from reference.pipeline import (Action, actions_from_trace, bubble_fraction, demos, measured_bubble,
-                                peak_stashed_from_trace, schedule, simulate, wall_clock_bubble)
+from reference.pipeline import (Action, actions_from_trace, bubble_fraction, measured_bubble, peak_stashed_from_trace,
+                                schedule, simulate, wall_clock_bubble, workers)
+from reference.pipeline.oracles import single_process_truth
 
 TOL = 1e-12
 
@@ -41,7 +42,7 @@ def gathered(values):
 
 def assert_matches_truth(values, m, **model):
     loss, grads = gathered(values)
-    truth = demos.single_process_truth(m, **model)
+    truth = single_process_truth(m, **model)
     assert set(grads) == set(truth["grads"])
     assert all(g is not None and g.abs().max() > 0 for g in grads.values())
     for ref_loss, ref_grads in ((truth["loss"], truth["grads"]), (truth["full_batch_loss"], truth["full_batch_grads"])):
@@ -59,7 +60,7 @@ MS = {"gpipe": lambda p: [p, p + 1, 2 * p + 1], "1f1b": lambda p: [p, p + 1, 2 *
 def test_loss_and_every_gradient_equal_one_process(world, p, name):
     v = 2 if name == "interleaved_1f1b" else 1
     for m in MS[name](p):
-        res = run(world, p, demos.pipeline_worker, name, m, virtual_stages=v)
+        res = run(world, p, workers.pipeline_worker, name, m, virtual_stages=v)
         assert [x["stages"] for x in res.values] == [[c * p + r for c in range(v)] for r in range(p)]
         assert_matches_truth(res.values, m, num_stages=p, virtual_stages=v)
 
@@ -69,7 +70,7 @@ def test_loss_and_every_gradient_equal_one_process(world, p, name):
 def test_uneven_splits(world, p, name, sizes):
     v = 2 if name == "interleaved_1f1b" else 1
     m = 2 * p
-    res = run(world, p, demos.pipeline_worker, name, m, virtual_stages=v, layers=sum(sizes), sizes=sizes)
+    res = run(world, p, workers.pipeline_worker, name, m, virtual_stages=v, layers=sum(sizes), sizes=sizes)
     assert_matches_truth(res.values, m, layers=sum(sizes))
 
 
@@ -80,7 +81,7 @@ def test_uneven_splits(world, p, name, sizes):
 @pytest.mark.parametrize("p,name,m", [(3, "1f1b", 4), (2, "interleaved_1f1b", 4), (3, "zb_h1", 3), (4, "gpipe", 3)])
 def test_trace_schema_order_and_messages(world, p, name, m):
     v = 2 if name == "interleaved_1f1b" else 1
-    res = run(world, p, demos.pipeline_worker, name, m, virtual_stages=v)
+    res = run(world, p, workers.pipeline_worker, name, m, virtual_stages=v)
     tr = res.trace
     compute = tr.filter(op="compute")
     plan = schedule(name, p, m, virtual_stages=v)
@@ -110,7 +111,7 @@ def test_trace_schema_order_and_messages(world, p, name, m):
 
 @pytest.mark.parametrize("p,m", [(2, 2), (3, 5), (4, 4), (4, 6)])
 def test_peak_stash_from_the_trace(world, p, m):
-    peaks = {name: peak_stashed_from_trace(run(world, p, demos.pipeline_worker, name, m).trace)
+    peaks = {name: peak_stashed_from_trace(run(world, p, workers.pipeline_worker, name, m).trace)
              for name in ("gpipe", "1f1b", "zb_h1")}
     assert peaks["gpipe"] == {r: m for r in range(p)}
     assert peaks["1f1b"] == {r: min(m, p - r) for r in range(p)}
@@ -124,7 +125,7 @@ def test_bubble_rebuilt_from_the_trace(world, p):
     bubbles = {}
     for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"):
         v = 2 if name == "interleaved_1f1b" else 1
-        res = run(world, p, demos.pipeline_worker, name, m, virtual_stages=v)
+        res = run(world, p, workers.pipeline_worker, name, m, virtual_stages=v)
         slots = simulate(actions_from_trace(res.trace, p))                     # the traced order, in slots
         bubbles[name] = measured_bubble(slots)
         assert bubbles[name] == pytest.approx(bubble_fraction(name, p, m, virtual_stages=v), abs=1e-12)
@@ -137,7 +138,7 @@ def test_bubble_rebuilt_from_the_trace(world, p):
 def test_twenty_steps_in_one_world_never_hang(world):
     for step in range(20):
         name = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")[step % 4]
-        res = run(world, 4, demos.pipeline_worker, name, 4, virtual_stages=2 if name == "interleaved_1f1b" else 1,
+        res = run(world, 4, workers.pipeline_worker, name, 4, virtual_stages=2 if name == "interleaved_1f1b" else 1,
                   seed=step, timeout=30)
         assert res.values[-1]["loss"] is not None
 
@@ -149,7 +150,7 @@ def test_twenty_steps_in_one_world_never_hang(world):
 def expect_value_error_on_every_rank(p, *args, match, **kwargs):
     t0 = time.perf_counter()
     with pytest.raises(WorldError) as info:
-        run_world(demos.pipeline_worker, p, *args, timeout=30, **kwargs)
+        run_world(workers.pipeline_worker, p, *args, timeout=30, **kwargs)
     assert time.perf_counter() - t0 < 30
     err = info.value
     assert err.kind == "exception" and sorted(err.failures) == list(range(p)), err
@@ -173,9 +174,9 @@ DEADLOCK = [[Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],   
 def test_a_deadlocking_order_is_refused_then_reported_by_rank(no_orphans):
     expect_value_error_on_every_rank(2, "1f1b", 2, actions=DEADLOCK, match="deadlocks")
     with World(2, timeout=30, echo=False) as w:
-        w.run(demos.pipeline_worker, "1f1b", 2)                  # imports done: the ranks reach the deadlock at once
+        w.run(workers.pipeline_worker, "1f1b", 2)                  # imports done: the ranks reach the deadlock at once
         with pytest.raises(WorldError) as info:
-            w.run(demos.pipeline_worker, "1f1b", 2, actions=DEADLOCK, check=False, timeout=3)
+            w.run(workers.pipeline_worker, "1f1b", 2, actions=DEADLOCK, check=False, timeout=3)
     err = info.value
     assert err.kind == "timeout" and err.ranks == [0, 1]
     assert "recv from rank 1" in err.failures[0].blocked_in and "recv from rank 0" in err.failures[1].blocked_in

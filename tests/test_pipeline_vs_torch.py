@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from reference.pipeline import Action, demos, schedule
+from reference.pipeline import Action, schedule, workers
+from reference.pipeline.oracles import single_process_truth
 
 TOL = 1e-12
 
@@ -42,10 +43,10 @@ CASES = [(2, "gpipe", 3, 1, None), (4, "gpipe", 5, 1, None), (3, "1f1b", 4, 1, N
 @pytest.mark.parametrize("p,name,m,v,sizes", CASES, ids=[f"{c[1]}-p{c[0]}-m{c[2]}" for c in CASES])
 def test_same_loss_gradients_and_order_as_torch_pipelining(world, p, name, m, v, sizes):
     model = dict(virtual_stages=v, sizes=sizes, layers=sum(sizes) if sizes else None)
-    theirs = run(world, p, demos.torch_pipeline_worker, name, m, **model)
-    ours = run(world, p, demos.pipeline_worker, name, m, **model)
+    theirs = run(world, p, workers.torch_pipeline_worker, name, m, **model)
+    ours = run(world, p, workers.pipeline_worker, name, m, **model)
     (tl, tg), (ol, og) = loss_and_grads(theirs), loss_and_grads(ours)
-    truth = demos.single_process_truth(m, num_stages=p, virtual_stages=v, layers=model["layers"])
+    truth = single_process_truth(m, num_stages=p, virtual_stages=v, layers=model["layers"])
     assert set(tg) == set(og) == set(truth["grads"])
     assert abs(tl - ol) < TOL and abs(ol - truth["full_batch_loss"]) < TOL
     for n in og:
@@ -67,17 +68,18 @@ def test_same_loss_gradients_and_order_as_torch_pipelining(world, p, name, m, v,
 
 def test_torch_without_scale_grads_leaves_m_times_our_gradients(world):
     p, m = 2, 4
-    theirs = loss_and_grads(run(world, p, demos.torch_pipeline_worker, "1f1b", m, scale_grads=False))[1]
-    ours = loss_and_grads(run(world, p, demos.pipeline_worker, "1f1b", m))[1]
+    theirs = loss_and_grads(run(world, p, workers.torch_pipeline_worker, "1f1b", m, scale_grads=False))[1]
+    ours = loss_and_grads(run(world, p, workers.pipeline_worker, "1f1b", m))[1]
     for n in ours:
         assert (theirs[n] - m * ours[n]).abs().max().item() < TOL * m, n
         assert (theirs[n] - ours[n]).abs().max().item() > 1e-6        # not equal: the relation is real
 
 
 def test_torch_order_conversion():
-    from torch.distributed.pipelining.schedules import _Action, _ComputationType as T
+    from torch.distributed.pipelining.schedules import _Action
+    from torch.distributed.pipelining.schedules import _ComputationType as T
     order = {0: [_Action(0, T.FORWARD, 0), None, _Action(2, T.FORWARD, 0), _Action(2, T.BACKWARD_INPUT, 0),
                  _Action(2, T.BACKWARD_WEIGHT, 0), _Action(0, T.FULL_BACKWARD, 0), _Action(0, T.REDUCE_GRAD, None)],
              1: []}
-    assert demos.torch_order_as_actions(order, 2) == [
+    assert workers.torch_order_as_actions(order, 2) == [
         [Action("F", 0), Action("F", 0, 1), Action("B", 0, 1), Action("W", 0, 1), Action("B", 0)], []]

@@ -7,8 +7,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from reference.trace import Event
-from reference.widgets.pipeline import (Timeline, caption, draw_gantt, gantt_state, pipeline_player,
-                                        pipeline_timeline)
+from reference.widgets.pipeline import Timeline, caption, draw_gantt, gantt_state, pipeline_player, pipeline_timeline
 
 # GPipe, p = 2, m = 3, laid out by hand in unit slots ("." = idle): what the slot rebuild must give
 GPIPE_2_3 = ["F0 F1 F2 .  .  B0 B1 B2",
@@ -64,7 +63,7 @@ def expected_starts(rows: list[str]) -> dict[tuple[int, str, int, int], float]:
 def test_slot_rebuild_recovers_the_idealised_schedule_and_the_formula_bubble(rows, p, m):
     tl = pipeline_timeline(traced(rows), "slots")
     assert starts(tl) == expected_starts(rows)
-    assert tl.span == 2 * (m + p - 1) and tl.ranks == p and tl.microbatches == m
+    assert tl.span == 2 * (m + p - 1) and tl.ranks == p and tl.num_microbatches == m
     assert tl.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
     assert tl.bubble_per_rank == pytest.approx({r: (p - 1) / (m + p - 1) for r in range(p)})
     assert all(b.end - b.start == 1 for b in tl.blocks)

@@ -1,5 +1,5 @@
 """reference.planner: every formula against numbers worked by hand (or printed in the papers), the
-ZeRO stage ordering, what runs out first, and the published worked examples (reference.published).
+ZeRO stage ordering, what runs out first, and the published worked examples (reference.planner.published).
 Pure arithmetic: the whole file runs in a few seconds."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import re
 import pytest
 
 from reference import planner as P
-from reference.published import (GSHARD_600B, GSHARD_PLAN, H100_8K, H100_16K, LLAMA3_70B, LLAMA3_405B,
-                                 LLAMA3_405B_8K_PLAN, LLAMA3_405B_16K_PLAN, LLAMA3_405B_LONG,
-                                 LLAMA3_405B_LONG_PLAN, TPU_V3_2048)
+from reference.planner.published import (GSHARD_600B, GSHARD_PLAN, H100_8K, H100_16K, LLAMA3_70B, LLAMA3_405B,
+                                         LLAMA3_405B_8K_PLAN, LLAMA3_405B_16K_PLAN, LLAMA3_405B_LONG,
+                                         LLAMA3_405B_LONG_PLAN, TPU_V3_2048)
 
 GPT3 = P.Model("GPT-3 175B shape", layers=96, hidden=12288, heads=96, kv_heads=96, ffn=4 * 12288, vocab=51200,
                seq_len=2048)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reference import recorded
+from reference.notebook import recorded
 
 CALLS: list[tuple] = []
 

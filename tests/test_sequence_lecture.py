@@ -15,7 +15,7 @@ import torch
 from exercises.grading.checks import sequence as checks
 from exercises.grading.core import CheckFailed
 from reference import comm
-from reference.sequence import attention_block, block_plan, demos, merge_attention  # noqa: F401
+from reference.sequence import attention_block, block_plan, merge_attention, workers  # noqa: F401
 from reference.widgets import ring as ringw
 from reference.widgets.player import render_png
 
@@ -29,7 +29,7 @@ def runs(world):
     for W in (2, 3, 4):
         for layout in ("contiguous", "zigzag", "striped"):
             for causal in (False, True):
-                res = w.run(demos.ring_replay_worker, L, W, layout, causal)
+                res = w.run(workers.ring_replay_worker, L, W, layout, causal)
                 assert max(v["max_error"] for v in res.values[:W]) < 1e-5
                 out[(layout, W, causal)] = ringw.RingRun(res.trace, W, layout, causal, L)
     return out
@@ -210,11 +210,11 @@ def ring_attention_forward(q, k, v, *, causal=False, layout="contiguous", group=
         if _BUG == "compute_masked" and not plan:
             attention_block(q, kc, vc)                                  # computed, then thrown away
         for p in plan:
-            o, l = attention_block(q[..., p.q, :], kc[..., p.k, :], vc[..., p.k, :], causal=p.causal)
+            o, lse_blk = attention_block(q[..., p.q, :], kc[..., p.k, :], vc[..., p.k, :], causal=p.causal)
             if out is None:
-                out, lse = o, l
+                out, lse = o, lse_blk
             else:
-                out[..., p.q, :], lse[..., p.q] = merge_attention(out[..., p.q, :], lse[..., p.q], o, l)
+                out[..., p.q, :], lse[..., p.q] = merge_attention(out[..., p.q, :], lse[..., p.q], o, lse_blk)
         if hop is not None:
             hop.wait()
             kc, vc = kb, vb

@@ -5,7 +5,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 import exercises.tensor as stubs
 import reference.tensor as ref
@@ -16,8 +15,8 @@ GRADED = ["copy_to_tensor_region", "reduce_from_tensor_region", "linear_shard", 
 
 
 def _grade(solutions, ids):
-    from exercises.grading import core
-    return {r.exercise.id: r for r in core.grade(solutions, ids, include_hidden=False)}
+    from exercises.grading import session
+    return {r.exercise.id: r for r in session.grade(solutions, ids, include_hidden=False)}
 
 
 def test_exercise_stubs_have_the_reference_signatures_and_docstrings():

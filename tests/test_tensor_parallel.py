@@ -15,6 +15,7 @@ from reference.launch import WorldError, run_world
 from reference.tensor import workers
 from reference.tensor.blocks import head_dropout_mask
 from reference.tensor.costs import wire_bytes
+from tests.workers import tensor_workers
 
 TOL = dict(atol=1e-12, rtol=1e-12)
 
@@ -166,7 +167,7 @@ def test_dropout_streams_differ_inside_the_region_and_agree_outside(world):
 def test_heads_not_divisible_raise_value_error_on_every_rank_before_any_message():
     t0 = time.perf_counter()
     with pytest.raises(WorldError) as info:
-        run_world(workers.parallel_bad, 3, "attn", heads=4, timeout=30)
+        run_world(tensor_workers.parallel_bad, 3, "attn", heads=4, timeout=30)
     err = info.value
     assert time.perf_counter() - t0 < 30 and err.kind == "exception"
     assert sorted(err.failures) == [0, 1, 2]
@@ -176,7 +177,7 @@ def test_heads_not_divisible_raise_value_error_on_every_rank_before_any_message(
 
 def test_a_rank_that_skips_the_backward_is_named_not_a_hang():
     with pytest.raises(WorldError) as info:
-        run_world(workers.only_rank0_backward, 2, timeout=5)
+        run_world(tensor_workers.only_rank0_backward, 2, timeout=5)
     err = info.value
     assert err.kind == "timeout" and 0 in err.ranks
     assert "all_reduce" in err.failures[0].blocked_in

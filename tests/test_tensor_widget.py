@@ -16,8 +16,8 @@ def _run(sp: bool, tp: int = 2, meta: bool = True):
                 ("all_reduce", "sp-grad-sync", "backward", "", 48)]
     else:
         cols = [("all_reduce", "g", "forward", "mlp.fc2", act), ("all_reduce", "f", "backward", "mlp.fc1", act)]
-    cols = [dict(op=o, operator=p if meta else "", direction=dr if meta else "", layer=l if meta else "", nbytes=n,
-                 wire=float(n)) for o, p, dr, l, n in cols]
+    cols = [dict(op=o, operator=p if meta else "", direction=dr if meta else "", layer=layer if meta else "", nbytes=n,
+                 wire=float(n)) for o, p, dr, layer, n in cols]
     if not meta:
         cols = [c for c in cols if c["nbytes"] != 48]
     return {"tp": tp, "sequence_parallel": sp, "S": S, "d_model": d, "d_ff": dff, "collectives": cols, "max_error": 0.0}
@@ -66,7 +66,7 @@ def test_every_frame_draws_with_a_caption(sp, tp):
 
 
 def test_real_run_matches_the_synthetic_layout(world):
-    from reference.tensor import demos
-    run = demos.mlp_run(tp=2, world=world(2))
+    from reference.tensor import lecture
+    run = lecture.mlp_run(tp=2, world=world(2))
     assert run["max_error"] < 1e-12
     assert [(p["direction"], p["block"]) for p in phases(run) if p["kind"] == "comm"] == [("forward", "Z"), ("backward", "X")]

@@ -41,7 +41,7 @@ import os
 import sys
 import types
 import warnings
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 # operator names by family (torch 2.13); a name torch does not have is skipped
 FAMILIES: dict[str, tuple[str, ...]] = {

@@ -19,14 +19,17 @@ that hangs, crashes or exits is killed with its whole process group; only the ch
 running fails (with a message), and the next check gets a fresh runner.
 
 Checks are written as plain functions of a :class:`Context`; see ``exercises/grading/checks/``.
+This module imports nothing else of the grader: where learner code runs is :mod:`.sandbox`, the
+grading loop :mod:`.session`, the student release and the autograder bundle :mod:`.release`.
 """
 from __future__ import annotations
 
 import importlib
 import inspect
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -39,7 +42,7 @@ from . import feedback as fb
 @dataclass
 class Check:
     name: str
-    fn: Callable[["Context"], None]
+    fn: Callable[[Context], None]
     points: float = 1.0
     timeout: float = 60.0
     hidden: bool = False
@@ -82,7 +85,7 @@ class Exercise:
     def check(self, name: str, points: float = 1.0, timeout: float = 60.0, hidden: bool = False,
               requires_value: bool = False):
         """Decorator: register a check of this exercise."""
-        def deco(fn: Callable[["Context"], None]) -> Callable[["Context"], None]:
+        def deco(fn: Callable[[Context], None]) -> Callable[[Context], None]:
             self.checks.append(Check(name, fn, points, timeout, hidden, requires_value))
             return fn
         return deco
@@ -132,10 +135,21 @@ def exercise_order(ex_id: str) -> list[tuple[int, Any]]:
 # ----------------------------------------------------------------------------------------------
 # Outcomes
 
+START_ALLOWANCE = 30.0   # seconds a runner may take to start its ranks, on top of a check's limit
 
-from .sandbox import (MAX_REPLY_BYTES, START_ALLOWANCE, CheckFailed, CheckTimedOut, Runner,  # noqa: F401
-                      SetupError, preflight, receive, refuse_unsafe_archive, remove_scratch, run_as,
-                      runner_env, runtime_dir)
+
+class CheckFailed(Exception):
+    """Raised inside a check to fail it with a message for the learner."""
+
+
+class CheckTimedOut(CheckFailed):
+    """The learner's code ran out of time (its runner was killed): the exercise's remaining checks
+    are skipped, so that a submission that hangs everywhere costs one time limit, not one per check."""
+
+
+class SetupError(RuntimeError):
+    """The grader cannot run here at all (e.g. ``GRADER_RUN_AS`` cannot reach the interpreter); the
+    message says what to change.  Raised before any check runs."""
 
 
 @dataclass
@@ -281,7 +295,7 @@ def salted_seed(n: int) -> int:
 class Context:
     """Handed to every check.  Runs learner code through the runner; compares; fails with words."""
 
-    def __init__(self, solutions: str, exercise: Exercise, runner: Runner, timeout: float):
+    def __init__(self, solutions: str, exercise: Exercise, runner, timeout: float):
         self.solutions = solutions
         self.exercise = exercise
         self.runner = runner
@@ -449,7 +463,7 @@ def _preload_reference() -> None:
     import pkgutil
     ref = importlib.import_module("reference")
     for info in pkgutil.walk_packages(ref.__path__, "reference."):
-        if info.name.startswith(("reference.widgets", "reference.course")) or info.name.endswith("demos"):
+        if info.name.startswith(("reference.widgets", "reference.notebook")):
             continue
         try:
             importlib.import_module(info.name)
@@ -460,12 +474,9 @@ def _preload_reference() -> None:
 def hidden_check(exercise_id: str, name: str, points: float = 1.0, timeout: float = 60.0):
     """Decorator for teachers' hidden checks (``exercises/grading/hidden.py``): registered on an
     existing exercise, run by the autograder, shown as hidden in results.json, never released."""
-    def deco(fn: Callable[["Context"], None]) -> Callable[["Context"], None]:
+    def deco(fn: Callable[[Context], None]) -> Callable[[Context], None]:
         if exercise_id not in EXERCISES:
             raise KeyError(f"hidden check {name!r}: no exercise {exercise_id!r} (known: {', '.join(EXERCISES)})")
         return EXERCISES[exercise_id].check(name, points=points, timeout=timeout, hidden=True)(fn)
     return deco
 
-
-# The grading loop lives in .session; its names stay importable from here.
-from .session import _grade_exercise, _run_checks, contain, grade, sweep  # noqa: E402,F401

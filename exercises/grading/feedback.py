@@ -13,8 +13,9 @@ every comparison, and each lecture adds its own in a few lines next to its check
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -129,7 +129,7 @@ def _frozen_name(name: str, obj) -> bool:
     if name.startswith("__"):
         return False
     return isinstance(obj, _CODE_LIKE) or name.isupper()
-_SNAPSHOT: "Snapshot | None" = None
+_SNAPSHOT: Snapshot | None = None
 
 
 def take() -> Snapshot:
@@ -145,8 +145,7 @@ def current() -> Snapshot | None:
 
 
 # what only the notebooks use (drawing, recordings): never a check's driver, and slow to import
-NOTEBOOK_PLUMBING = ("reference.widgets", "reference.course", "reference.plots", "reference.recorded",
-                     "reference.primer")
+NOTEBOOK_PLUMBING = ("reference.widgets", "reference.notebook")
 
 
 def load_given() -> None:

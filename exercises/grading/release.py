@@ -8,7 +8,7 @@
 graded function (found from the registry: ``Exercise.module`` + ``Exercise.functions``) keeps its
 signature and docstring in ``reference/``, and its body becomes a call to the learner's function
 in ``exercises.<module>``; so the whole reference works once the learner has written it, and says
-"not implemented" before (notebook cells wrap that in ``reference.course.needs``).  Teachers'
+"not implemented" before (notebook cells wrap that in ``reference.notebook.course.needs``).  Teachers'
 hidden checks stay out.  Ground truth that checks take from graded functions (``ctx.oracle``) is
 recorded here, from the full reference, into ``exercises/grading/oracle_answers.pt``, which the
 release's grader loads by itself.
@@ -32,38 +32,15 @@ import time
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from . import core, session
+from .strip import ROOT, STUDENT_LEAVE_OUT, copy_tree, strip_solutions
+
 NAME = "splitting-the-work"
 
 # What a release holds (relative to the repository root); caches and checkpoints never.
 STUDENT_PATHS = ["notebooks", "reference", "exercises", "scripts", "pyproject.toml", "README.md",
                  "environment.yml", "Makefile", "LICENSE"]
 AUTOGRADER_PATHS = ["reference", "exercises", "scripts", "pyproject.toml", "README.md"]
-NEVER = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache", "oracle_answers.pt", "_recorded", ".progress.json"}
-STUDENT_LEAVE_OUT = {"exercises/grading/hidden.py", "exercises/grading/release.py"}
-# where submitted code runs as another user (sandbox.runtime_dir): not the grader's judging code either
-RUNTIME_LEAVE_OUT = STUDENT_LEAVE_OUT | {"exercises/grading/checks", "exercises/grading/core.py",
-                                         "exercises/grading/session.py", "exercises/grading/report.py"}
-
-
-def _copy_tree(paths: list[str], dest: Path, leave_out: set[str] = frozenset()) -> None:
-    for rel in paths:
-        src = ROOT / rel
-        if not src.exists():
-            continue
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-            continue
-        for dirpath, dirnames, filenames in os.walk(src):
-            dirnames[:] = [d for d in dirnames if d not in NEVER and not d.endswith(".egg-info")]
-            for f in filenames:
-                p = Path(dirpath) / f
-                r = p.relative_to(ROOT).as_posix()
-                if f in NEVER or f.endswith((".pyc", ".pyo")) or any(r == x or r.startswith(x + "/") for x in leave_out):
-                    continue
-                (dest / r).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(p, dest / r)
 
 
 def _zip(src_dir: Path, zip_path: Path, prefix: str = "") -> None:
@@ -76,76 +53,15 @@ def _zip(src_dir: Path, zip_path: Path, prefix: str = "") -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Taking the solutions out
-
-
-def _call_args(args: ast.arguments) -> str:
-    """Source of a call that passes a function's parameters on unchanged."""
-    parts = [a.arg for a in args.posonlyargs] + [a.arg for a in args.args]
-    if args.vararg:
-        parts.append("*" + args.vararg.arg)
-    parts += [f"{a.arg}={a.arg}" for a in args.kwonlyargs]
-    if args.kwarg:
-        parts.append("**" + args.kwarg.arg)
-    return ", ".join(parts)
-
-
-def delegate_source(path: Path, replacements: dict[str, str]) -> str:
-    """``path``'s source with each module-level function ``name`` in ``replacements`` reduced to
-    its docstring plus ``return <learner module>.<name>(...)``."""
-    text = path.read_text()
-    lines = text.splitlines(keepends=True)
-    tree = ast.parse(text)
-    edits = []
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in replacements:
-            body = node.body
-            has_doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
-                and isinstance(body[0].value.value, str)
-            first = body[1] if has_doc and len(body) > 1 else (None if has_doc else body[0])
-            indent = " " * (body[0].col_offset)
-            learner = replacements[node.name]
-            new = (f"{indent}# The solution is yours to write: {learner}.{node.name} (this release has no body here).\n"
-                   f"{indent}from {learner} import {node.name} as _yours\n"
-                   f"{indent}return _yours({_call_args(node.args)})\n")
-            start = (first.lineno - 1) if first is not None else node.end_lineno   # 0-based line after the docstring
-            if first is not None and getattr(first, "decorator_list", None):
-                start = first.decorator_list[0].lineno - 1
-            edits.append((start, node.end_lineno, new))
-    for start, end, new in sorted(edits, reverse=True):
-        lines[start:end] = [new]
-    out = "".join(lines)
-    ast.parse(out)  # still Python
-    return out
-
-
-def strip_solutions(dest: Path, registry=None) -> list[tuple[str, str, str]]:
-    """Replace every graded reference function under ``dest`` by a delegation; return
-    ``(exercise id, file relative to dest, function name)`` for each."""
-    from . import core
-    by_file: dict[Path, dict[str, str]] = {}
-    done = []
-    for ex, name, fn in core.graded_functions(registry):
-        src = Path(inspect.getsourcefile(fn)).resolve()
-        rel = src.relative_to(ROOT)
-        by_file.setdefault(dest / rel, {})[fn.__name__] = f"exercises.{ex.module}"
-        done.append((ex.id, rel.as_posix(), fn.__name__))
-    for path, repl in by_file.items():
-        path.write_text(delegate_source(path, repl))
-    return done
-
-
-# ----------------------------------------------------------------------------------------------
 # Ground truth recorded from the full reference
 
 
 def record_oracle(ids=None, timeout: float | None = None) -> tuple[dict, list]:
     """Grade the reference itself (it must score full marks) while recording every ``ctx.oracle``
     answer; return ``(answers, results)``."""
-    from . import core
     core.ORACLE.answers, core.ORACLE.record = None, {}
     try:
-        results = core.grade("reference", ids, include_hidden=False, timeout=timeout)
+        results = session.grade("reference", ids, include_hidden=False, timeout=timeout)
     finally:
         answers, core.ORACLE.record = core.ORACLE.record, None
     lost = [f"{r.exercise.id} {c.name}: {c.message.splitlines()[0] if c.message else ''}"
@@ -159,7 +75,6 @@ def build_student(out: Path, ids=None, *, make_zip: bool = True, timeout: float 
     """Build the student release in ``out/splitting-the-work`` (and ``out/splitting-the-work.zip``)."""
     import torch
 
-    from . import core
     registry = core.load_checks()
     t0 = time.perf_counter()
     answers, results = record_oracle(ids, timeout=timeout)
@@ -168,10 +83,10 @@ def build_student(out: Path, ids=None, *, make_zip: bool = True, timeout: float 
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
-    _copy_tree(STUDENT_PATHS, dest, STUDENT_LEAVE_OUT)
+    copy_tree(STUDENT_PATHS, dest, STUDENT_LEAVE_OUT)
     stripped = strip_solutions(dest, registry)
     torch.save(answers, dest / "exercises" / "grading" / "oracle_answers.pt")
-    from reference import recorded
+    from reference.notebook import recorded
     demos = recorded.record_all(dest / "reference" / "_recorded", progress=None)
     (dest / "RELEASE.txt").write_text(
         f"{NAME}: student release built {time.strftime('%Y-%m-%d %H:%M')}.\n"
@@ -208,7 +123,6 @@ def install_finished_learner(release: Path, registry=None) -> list[str]:
     """Turn a release's ``exercises/`` into the work of a learner who finished every exercise:
     each graded function becomes the full reference's, from a private copy of its reference module
     (``exercises/_finished_*.py``).  Used to prove a release's grader gives full marks."""
-    from . import core
     written = []
     per_module: dict[str, list[str]] = {}
     for ex, name, fn in core.graded_functions(registry):
@@ -319,7 +233,6 @@ def collect_submission(submission: Path, dest: Path) -> list[str]:
     ``<m>.py`` at the top, or anywhere below.  A module not submitted is taken from the stubs (its
     checks then say "not implemented").  Only these modules are taken: a submitted ``grading/`` or
     anything else is ignored."""
-    from . import core
     modules = sorted({ex.module for ex in core.load_checks().values()})
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "__init__.py").write_text('"""A submission, collected by the autograder."""\n')
@@ -369,11 +282,10 @@ def _read_plain_file(path: Path, root: Path, limit: int = 1 << 20) -> bytes | No
 def verify_fresh_inputs(ids=None, *, solutions: str = "reference") -> list:
     """Grade ``solutions`` (the reference) as ``run_autograder`` grades a submission — fresh inputs
     drawn from a new secret, hidden checks included — and raise unless it scores full marks."""
-    from . import core
     before = core._SALT
     core.fresh_inputs()
     try:
-        results = core.grade(solutions, ids, include_hidden=True)
+        results = session.grade(solutions, ids, include_hidden=True)
     finally:
         core._SALT = before
     lost = [f"{r.exercise.id} {c.name}: {c.message.splitlines()[0] if c.message else ''}"
@@ -388,7 +300,6 @@ def build_autograder(out: Path, *, verify_ids=None, verify_with: str = "referenc
     """Build ``out/autograder.zip`` (and the unpacked ``out/bundle/``) — after checking that the
     reference scores full marks on fresh inputs (:func:`verify_fresh_inputs`; ``verify_ids``: only
     these exercises, ``verify_with``: another package, for tests)."""
-    from . import core
     core.load_checks()
     t0 = time.perf_counter()
     verify_fresh_inputs(verify_ids, solutions=verify_with)
@@ -397,7 +308,7 @@ def build_autograder(out: Path, *, verify_ids=None, verify_with: str = "referenc
     if bundle.exists():
         shutil.rmtree(bundle)
     bundle.mkdir(parents=True)
-    _copy_tree(AUTOGRADER_PATHS, bundle)
+    copy_tree(AUTOGRADER_PATHS, bundle)
     for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER), ("lock_source.sh", LOCK_SOURCE_SH)):
         p = bundle / name
         p.write_text(text)

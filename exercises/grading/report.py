@@ -13,8 +13,8 @@ import html
 import io
 import json
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from .core import ExerciseResult
 

@@ -1,6 +1,6 @@
 """The runner process: calls learner code for the grader and answers with ``torch.save`` bytes.
 
-Started by :class:`exercises.grading.core.Runner` (one per exercise, in its own session so that
+Started by :class:`exercises.grading.sandbox.Runner` (one per exercise, in its own session so that
 the grader can kill it with everything it started).  Requests (pickled by the trusted grader):
 
     ("local", "pkg.mod:harness", module, args)            -> {"value": ...}
@@ -13,7 +13,7 @@ so a second call costs milliseconds.  Errors come back as ``{"error": {...}}``.
 Speed.  A world started by ``reference.launch.World`` spawns fresh interpreters that each import
 torch (about a second of CPU per rank here).  The runner has imported torch already, so its
 worlds *fork* their ranks from it (:class:`ForkedWorld`): the same rank program
-(``reference.launch._rank_main``), the same process group, traces, status reports and errors,
+(``reference.rank_program._rank_main``), the same process group, traces, status reports and errors,
 started in a fraction of a second.  Set ``GRADER_SPAWN=1`` to use spawned worlds instead.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ from multiprocessing import connection as mpc
 from typing import Any
 
 from reference import launch as _launch
+from reference import rank_program as _rank_program
 
 
 def _resolve(path: str):
@@ -120,7 +121,7 @@ class _Zygote:
                 try:
                     os.closerange(3, fd)  # nothing else of the runner's stays open in the rank
                     os.closerange(fd + 1, 65536)
-                    _launch._rank_main(rank, fd, cfg)
+                    _rank_program._rank_main(rank, fd, cfg)
                     code = 0
                 finally:
                     os._exit(code)
@@ -192,7 +193,7 @@ class ForkedWorld(_launch.World):
     """A :class:`reference.launch.World` whose ranks are forked (by the zygote) from a process
     that has torch loaded already."""
 
-    def _spawn_rank(self, rank: int, fd: int, cfg: dict, env: dict) -> "_ForkedProc":
+    def _spawn_rank(self, rank: int, fd: int, cfg: dict, env: dict) -> _ForkedProc:
         global _ZYGOTE
         if _ZYGOTE is None:
             _ZYGOTE = _Zygote()

@@ -6,7 +6,8 @@ cap (:func:`receive`) and refused if its archive is not plain stored records.  W
 ``GRADER_RUN_AS`` the runner runs as that user, in its own group, with a minimal environment
 (:func:`runner_env`), from a stripped copy of the course (:func:`runtime_dir`); :func:`preflight`
 checks first that the user can run it at all.  The grader itself (:mod:`exercises.grading.core`)
-never imports learner code.
+never imports learner code.  The grader reads in one direction: :mod:`.core` (the registry and what
+a check sees) → :mod:`.strip` and this module → :mod:`.session` (the grading loop) → :mod:`.release`.
 """
 from __future__ import annotations
 
@@ -19,28 +20,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from multiprocessing import connection as mpc
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
-START_ALLOWANCE = 30.0   # seconds a runner may take to start its ranks, on top of a check's limit
+from .core import START_ALLOWANCE, CheckFailed, CheckTimedOut, SetupError
+
 MAX_REPLY_BYTES = int(float(os.environ.get("GRADER_MAX_REPLY_MB", "64")) * 2 ** 20)  # one runner reply, at most
-
-
-class CheckFailed(Exception):
-    """Raised inside a check to fail it with a message for the learner."""
-
-
-class CheckTimedOut(CheckFailed):
-    """The learner's code ran out of time (its runner was killed): the exercise's remaining checks
-    are skipped, so that a submission that hangs everywhere costs one time limit, not one per check."""
-
-
-class SetupError(RuntimeError):
-    """The grader cannot run here at all (e.g. ``GRADER_RUN_AS`` cannot reach the interpreter); the
-    message says what to change.  Raised before any check runs."""
 
 
 class Runner:
@@ -61,7 +49,7 @@ class Runner:
         self.ready = False
         self.solutions, self.guard, self.lockdown = solutions, list(guard), dict(lockdown or {})
 
-    def start(self) -> "Runner":
+    def start(self) -> Runner:
         parent, child = socket.socketpair()
         setup = pickle.dumps({"guard": self.guard, "lockdown": self.lockdown}).hex()
         user = run_as()
@@ -112,15 +100,15 @@ class Runner:
             self.kill()
             if code is not None and code < 0:
                 how = f"was killed by {signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else code}"
-                raise CheckFailed(f"the process running your code {how} (a crash, e.g. a segfault).")
+                raise CheckFailed(f"the process running your code {how} (a crash, e.g. a segfault).") from None
             raise CheckFailed(f"the process running your code exited (exit code {code}) before answering: "
-                              "sys.exit / os._exit in your code?")
+                              "sys.exit / os._exit in your code?") from None
         refuse_unsafe_archive(data)
         try:
             return torch.load(io.BytesIO(data), weights_only=True)
         except Exception as e:
             raise CheckFailed(f"your code returned something the grader does not accept ({type(e).__name__}); "
-                              "return tensors, numbers, lists, tuples or dicts.")
+                              "return tensors, numbers, lists, tuples or dicts.") from None
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -259,12 +247,13 @@ def runtime_dir() -> str:
     Built once per grading, readable by everyone, writable by nobody but its owner."""
     if "dir" not in _RUNTIME:
         import tempfile
-        from . import release
+
+        from . import strip
         d = Path(tempfile.mkdtemp(prefix="grader-runtime-"))
         _RUNTIME["dir"] = str(d)
         atexit.register(remove_scratch)      # also when a caller never reaches grade()'s cleanup
-        release._copy_tree(["reference", "exercises"], d, release.RUNTIME_LEAVE_OUT)
-        release.strip_solutions(d)
+        strip.copy_tree(["reference", "exercises"], d, strip.RUNTIME_LEAVE_OUT)
+        strip.strip_solutions(d)
         for dirpath, dirnames, filenames in os.walk(d):
             os.chmod(dirpath, 0o755)
             for f in filenames:

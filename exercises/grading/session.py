@@ -2,7 +2,7 @@
 what learner code leaves behind.
 
 :func:`grade` is the one entry point (the notebook's ``check``, ``python -m exercises.grade``, the
-autograder and the release builder all call it, through ``core.grade``).  Per exercise it starts
+autograder and the release builder all call it, directly).  Per exercise it starts
 a fresh :class:`~exercises.grading.sandbox.Runner`, runs the visible checks, then the hidden ones,
 each with its own time limit inside the submission's deadline, and hands every result to
 ``on_exercise`` as soon as the exercise is done (so a score is written even if a later exercise
@@ -18,12 +18,12 @@ import signal
 import sys
 import time
 import traceback
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from . import core
-from .core import (Check, CheckResult, Context, Exercise, ExerciseResult, _guard_pairs, _preload_reference,
-                   load_checks, load_oracle_answers)
-from .sandbox import START_ALLOWANCE, CheckFailed, CheckTimedOut, Runner, preflight, remove_scratch
+from .core import (START_ALLOWANCE, Check, CheckFailed, CheckResult, CheckTimedOut, Context, Exercise, ExerciseResult,
+                   _guard_pairs, _preload_reference, load_checks, load_oracle_answers)
+from .sandbox import Runner, preflight, remove_scratch
 
 __all__ = ["contain", "sweep", "grade"]
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 _TP = "torch.distributed.tensor.parallel"
 

@@ -12,11 +12,11 @@ Every axis is the lecture's own layer, reused: tensor (reference.tensor), contex
 (reference.sequence.ring_attention), expert (reference.moe), pipeline (reference.pipeline),
 data (reference.moe.sync_moe_gradients / the dp_cp all-reduce); the grid is reference.mesh.RankGrid.
 """
+from .estimate import step_bytes
 from .parallel_gpt import (SIZE_KEYS, AuxLossAutoScaler, ComposedBlock, ContextParallelAttention, ExpertParallelMLP,
                            ParallelGPT, Shard, check_sizes, full_state_dict, padded_vocab)
 from .train import (axis_of, expected_bytes, global_loss, local_batch, measured_bytes, param_counts, sync_gradients,
                     train_step)
-from .estimate import step_bytes
 from .workers import Adam, build, fit, size_errors, train_worker
 from .zero import ComposedZero, zero_bytes
 

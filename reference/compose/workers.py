@@ -15,9 +15,11 @@ and trains it with the same Adam on the same batches (:func:`reference.gpt.get_b
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .. import comm
 from ..gpt import GPTConfig, TinyGPT, corpus, encode, get_batch
+from ..mesh import RankGrid
 from .parallel_gpt import ParallelGPT, check_sizes, full_state_dict
 from .train import train_step
 from .zero import ComposedZero
@@ -126,3 +128,40 @@ def size_errors(cases: list[dict], **config) -> list[tuple[str, str]]:
         except Exception as e:                    # noqa: BLE001 - reported back to the caller
             out.append((type(e).__name__, str(e)))
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The rank grid on a real world (the notebook's section 1, and the tests)
+
+
+def group_sums(grids: list[dict], axes: list[str]) -> list[dict]:
+    """For each grid (a dict of sizes), all-reduce 2**rank over ``grid.group(axis)`` for every axis.
+
+    The sum's set bits are exactly the ranks that took part: ``bits == Σ 2**q for q in
+    grid.ranks(axis)`` proves the process group and the arithmetic agree.  Also returns the
+    members torch reports for the group and whether a second ``group(axis)`` call hit the cache.
+    """
+    r = dist.get_rank()
+    out = []
+    for sizes in grids:
+        grid = RankGrid(dist.get_world_size(), **sizes)
+        res = {}
+        for axis in axes:
+            g = grid.group(axis)
+            t = torch.tensor([2 ** r], dtype=torch.int64)
+            comm.all_reduce(t, group=g, what=f"grid_{axis}")
+            members = sorted(dist.get_global_rank(g, i) for i in range(dist.get_world_size(g)))
+            res[axis] = dict(bits=int(t.item()), members=members, cached=grid.group(axis) is g)
+        out.append(res)
+    return out
+
+
+def device_mesh_groups(sizes: dict) -> dict[str, list[int]]:
+    """This rank's groups in PyTorch's ``DeviceMesh`` over dims (pp, dp, cp, tp) — torchtitan's layout.
+
+    The production peer of :class:`RankGrid`'s dense grid: the same sizes must give the same groups.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    names = ("pp", "dp", "cp", "tp")
+    mesh = init_device_mesh("cpu", tuple(sizes.get(n, 1) for n in names), mesh_dim_names=names)
+    return {n: sorted(dist.get_process_group_ranks(mesh.get_group(n))) for n in names}

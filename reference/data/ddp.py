@@ -27,9 +27,9 @@ Exercises: 3.1 :func:`all_reduce_gradients`; 3.2 :func:`assign_buckets`, :func:`
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 from torch import nn

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TinyMLP", "TinyBlock", "make_model"]
+__all__ = ["TinyMLP", "TinyBlock", "make_model", "layer_model"]
 
 
 class TinyMLP(nn.Module):
@@ -66,3 +66,12 @@ def make_model(kind: str, seed: int = 0, dtype=torch.float64, **kw) -> nn.Module
     torch.manual_seed(seed)
     model = {"mlp": TinyMLP, "block": TinyBlock}[kind](**kw)
     return model.to(dtype)
+
+
+def layer_model(layers: int, width: int, dtype=torch.float32, seed: int = 0) -> nn.Sequential:
+    """``layers`` × (Linear(width, width), tanh): every layer one FSDP unit, one bucket-sized piece."""
+    torch.manual_seed(seed)
+    mods = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*mods).to(dtype)

@@ -9,7 +9,7 @@ Shared by :mod:`.ddp`, :mod:`.zero` and :mod:`.fsdp`:
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

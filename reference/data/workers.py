@@ -1,4 +1,6 @@
-"""Rank functions the tests and ``benchmarks/data_parallel.py`` run: one training run per call.
+"""Rank functions of lecture 3: one training run per call (tests, the grader, the benchmark), and
+the rank side of the notebook's runs (:mod:`.lecture`: a traced backward, gradient accumulation,
+the memory and bytes of DDP and ZeRO-1/2/3).
 
 :func:`train` runs ``steps`` optimizer steps of a seeded model with one of the course's
 implementations ("ddp", "zero1", "zero2", "fsdp"), PyTorch's ("torch_ddp", "torch_zero1" =
@@ -10,9 +12,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from .. import comm
-from .models import make_model
+from .. import comm, trace
+from .models import layer_model, make_model
 
 __all__ = ["batch", "train", "OPTIMIZERS"]
 
@@ -64,6 +67,7 @@ def train(method: str, kind: str = "mlp", opt: str = "adamw", *, steps: int = 3,
             optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=opt_cls, **opt_kw)
     elif method == "torch_fsdp":
         import warnings
+
         from torch.distributed.fsdp import fully_shard
         warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
         for child in (["hidden", "proj"] if kind == "mlp" else ["qkv", "attn_out", "mlp"]):
@@ -109,43 +113,6 @@ def train(method: str, kind: str = "mlp", opt: str = "adamw", *, steps: int = 3,
 # Small rank functions for the failure-mode and layout tests
 
 
-def bucket_layout(bucket_cap_mb: float, kind: str = "mlp") -> list[list[str]]:
-    """The parameter names in each of DataParallel's buckets for ``make_model(kind)``."""
-    from .ddp import DataParallel
-    return [b.names for b in DataParallel(make_model(kind), bucket_cap_mb=bucket_cap_mb).buckets]
-
-
-def mismatched_model(method: str = "ddp") -> None:
-    """Rank 1 builds a wider model than the others: the wrapper must refuse on every rank."""
-    from .ddp import DataParallel
-    from .fsdp import FullyShardedDataParallel
-    from .zero import ZeroOptimizer
-    model = make_model("mlp", hidden=12 if comm.rank() == 1 else 10)
-    if method == "ddp":
-        DataParallel(model)
-    elif method == "fsdp":
-        FullyShardedDataParallel(model)
-    else:
-        ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=int(method[-1]), lr=0.1)
-
-
-def skip_backward(method: str = "ddp") -> None:
-    """Rank 1 never calls backward; the others wait for its gradients (a timeout, not a hang)."""
-    from .ddp import DataParallel
-    from .zero import ZeroOptimizer
-    model = make_model("mlp")
-    x, y = batch("mlp", 0, 0, 0, comm.rank())
-    if method == "ddp":
-        model = DataParallel(model)
-        if comm.rank() != 1:
-            F.mse_loss(model(x), y).backward()
-    else:
-        opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=int(method[-1]), lr=0.1)
-        if comm.rank() != 1:
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-
-
 class Branchy(torch.nn.Module):
     """x → a → (b if use_b) : b gets no gradient on a rank that skips it."""
 
@@ -173,12 +140,11 @@ def unused_on_some_ranks(bucket_cap_mb: float = 25.0, seed: int = 0) -> dict:
 def time_steps(method: str, layers: int = 6, width: int = 512, rows: int = 64, steps: int = 10, warmup: int = 3,
                bucket_cap_mb: float = 25.0) -> float:
     """Rank worker for ``benchmarks/data_parallel.py``: seconds per training step (forward, backward,
-    AdamW step, zero_grad) of ``demos.layer_model`` in float32, median over ``steps`` after ``warmup``."""
+    AdamW step, zero_grad) of :func:`.models.layer_model` in float32, median over ``steps`` after ``warmup``."""
     import time
 
     import torch.distributed as dist
 
-    from .demos import layer_model
     model = layer_model(layers, width)
     wrapped, opt = model, None
     if method == "ddp":
@@ -213,3 +179,83 @@ def time_steps(method: str, layers: int = 6, width: int = 512, rows: int = 64, s
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
     return sorted(times[warmup:])[steps // 2]
+
+
+# ----------------------------------------------------------------------------------------------
+# Rank functions of the notebook's runs (reference.data.lecture)
+
+
+def _trace_backward_compute(model: nn.Module) -> None:
+    """A ``compute`` event per Linear's backward (layer index in meta), for the timeline."""
+    import time
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    for i, m in enumerate(linears):
+        def pre(mod, grad_out, i=i):
+            mod._t0 = time.perf_counter()
+
+        def post(mod, grad_in, grad_out, i=i):
+            trace.emit("compute", start=mod._t0, end=time.perf_counter(), layer=i, phase="backward")
+        m.register_full_backward_pre_hook(pre)
+        m.register_full_backward_hook(post)
+
+
+def timeline_run(layers: int, width: int, rows: int, bucket_cap_mb: float, overlap: bool) -> list[list[str]]:
+    """Rank worker: one forward + backward of :func:`layer_model` under DataParallel; returns the buckets."""
+    from .ddp import DataParallel
+    model = layer_model(layers, width)
+    ddp = DataParallel(model, bucket_cap_mb=bucket_cap_mb, overlap=overlap)
+    _trace_backward_compute(model)
+    g = torch.Generator().manual_seed(comm.rank())
+    x = torch.randn(rows, width, generator=g)
+    loss = ddp(x).pow(2).mean()
+    trace.emit("backward_start")
+    loss.backward()
+    trace.emit("backward_end")
+    return [b.names for b in ddp.buckets]
+
+
+def no_sync_run(accum: int, use_no_sync: bool) -> dict:
+    """Rank worker: one step of gradient accumulation over ``accum`` micro-batches (TinyMLP, float64)."""
+    out = train("ddp", "mlp", "sgd", steps=1, accum=accum, skip_no_sync=not use_no_sync, return_grads=False)
+    return out["params"]
+
+
+def zero_run(sizes: tuple[int, ...], layers: int, width: int, rows: int) -> list[dict]:
+    """Rank worker: for each N in ``sizes`` (the world split into groups of N ranks) and each method,
+    one AdamW step on :func:`layer_model` in float32; returns the memory report after the step and
+    this rank's ring bytes of the step, per (method, N)."""
+    from .ddp import DataParallel
+    from .fsdp import FullyShardedDataParallel
+    from .zero import ZeroOptimizer
+    W, r = comm.world_size(), comm.rank()
+    groups = {}
+    for N in sizes:
+        for start in range(0, W, N):
+            g = comm.new_group(list(range(start, start + N)))
+            if start <= r < start + N:
+                groups[N] = g
+    rows_out = []
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(r))
+    for N in sizes:
+        for method in ("ddp", "zero1", "zero2", "zero3"):
+            model = layer_model(layers, width)
+            if method == "ddp":
+                wrapped = DataParallel(model, group=groups[N])
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            elif method == "zero3":
+                wrapped = FullyShardedDataParallel(model, group=groups[N])
+                opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+            else:
+                wrapped = model
+                opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=int(method[-1]), group=groups[N],
+                                    lr=1e-3)
+            start = len(trace._events or [])
+            F.mse_loss(wrapped(x), x).backward()
+            opt.step()
+            mem = (opt.memory_report() if method in ("zero1", "zero2") else wrapped.memory_report(opt))
+            step_events = (trace._events or [])[start:]
+            sent = sum(e.meta.get("ring_bytes", 0) for e in step_events
+                       if e.op in ("all_reduce", "reduce_scatter", "all_gather") and e.meta.get("what") in ("grads", "params"))
+            rows_out.append({"method": method, "N": N, **{k: v for k, v in mem.items() if k != "total"},
+                             "ring_bytes": sent})
+    return rows_out

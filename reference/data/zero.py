@@ -29,7 +29,7 @@ a whole tensor (LAMB's trust ratio, Adafactor) would not.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn

@@ -11,10 +11,10 @@ tokens, expert parallelism over all-to-all, and gradient synchronisation with da
 
 Read them in that order.
 """
-from .routing import expert_capacity, gshard_random_routing, load_balancing_loss, router_z_loss, top_k_gating
+from .grad_sync import sync_moe_gradients
 from .layer import Expert, MoELayer
 from .parallel import ExpertParallelMoE, all_to_all, combine, combine_dropless, dispatch, dispatch_dropless
-from .grad_sync import sync_moe_gradients
+from .routing import expert_capacity, gshard_random_routing, load_balancing_loss, router_z_loss, top_k_gating
 
 __all__ = ["expert_capacity", "top_k_gating", "load_balancing_loss", "router_z_loss", "gshard_random_routing",
            "Expert", "MoELayer", "all_to_all", "dispatch", "combine", "dispatch_dropless", "combine_dropless",

@@ -39,7 +39,7 @@ single-process gradient of  mean task + α·aux + β·z  over the whole batch.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

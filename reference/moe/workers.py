@@ -1,6 +1,7 @@
-"""Rank functions that check the expert-parallel layer against the single-process one.
+"""Rank functions of lecture 5b: the expert-parallel layer against the single-process one, and the
+rank side of the notebook's runs (:mod:`.lecture`: routing, a toy MoE trained, FLOPs per token).
 
-Used by ``tests/test_moe_*.py`` (and handy in a notebook): each runs on every rank of a world,
+The checks (``tests/test_moe_*.py``, handy in a notebook too) each run on every rank of a world,
 builds the same seeded :class:`MoELayer` everywhere, computes the single-process ground truth for
 the whole batch on each rank (cheap at test sizes), runs the expert-parallel layer on this
 rank's share, and returns both as plain tensors for the caller to compare.
@@ -12,7 +13,7 @@ import torch
 from .. import comm
 from .grad_sync import sync_moe_gradients
 from .layer import MoELayer
-from .parallel import ExpertParallelMoE, all_to_all
+from .parallel import ExpertParallelMoE
 from .routing import load_balancing_loss
 
 
@@ -105,19 +106,6 @@ def ep_vs_single(cfg: dict) -> dict:
     }
 
 
-def all_to_all_adjoint(rows_per_dest: list[list[int]], d: int, seed: int = 0) -> dict:
-    """<A x, g> on this rank and <x, Aᵀ g>, where A is :func:`all_to_all` with the given splits
-    (``rows_per_dest[s][t]`` rows go from rank s to rank t) and Aᵀ is what autograd computes."""
-    W, r = comm.world_size(), comm.rank()
-    send = rows_per_dest[r]
-    recv = [rows_per_dest[s][r] for s in range(W)]
-    gen = torch.Generator().manual_seed(seed + r)
-    x = torch.randn(sum(send), d, dtype=torch.float64, generator=gen).requires_grad_()
-    g = torch.randn(sum(recv), d, dtype=torch.float64, generator=gen)
-    Ax = all_to_all(x, send, recv, what="adjoint_test")
-    (Ax * g).sum().backward()
-    return {"Ax_dot_g": float((Ax.detach() * g).sum()), "x_dot_ATg": float((x.detach() * x.grad).sum()),
-            "Ax": Ax.detach(), "x": x.detach(), "grad_shape": tuple(x.grad.shape)}
 
 
 def ep_dp_grad_sync(cfg: dict, divide_by: str = "dp") -> dict:
@@ -180,24 +168,100 @@ def ep_dp_grad_sync(cfg: dict, divide_by: str = "dp") -> dict:
             "truth_y": truth["y"][r]}
 
 
-def ep_bad_input(kinds: list[str]) -> list[str]:
-    """Feed the expert-parallel layer something wrong on ONE rank (or an uneven expert split).
-    Returns, per kind, the name of the exception THIS rank raised ("" if none): every rank must
-    raise ValueError, none may hang."""
-    W, r = comm.world_size(), comm.rank()
-    raised = []
-    for kind in kinds:
-        torch.manual_seed(0)
-        T = 8
-        x = torch.randn(T, 4, dtype=torch.float64)
-        if kind == "wrong_width" and r == W - 1:
-            x = torch.randn(T, 5, dtype=torch.float64)
-        elif kind == "unequal_tokens" and r == W - 1:
-            x = torch.randn(T + 1, 4, dtype=torch.float64)
-        try:
-            layer = MoELayer(4, 8, 3 if kind == "uneven_experts" else 4, k=1).double()
-            ExpertParallelMoE.from_layer(layer)(x)
-            raised.append("")
-        except Exception as e:  # noqa: BLE001 - the caller checks the type
-            raised.append(type(e).__name__)
-    return raised
+# ----------------------------------------------------------------------------------------------
+# Rank functions of the notebook's runs (reference.moe.lecture)
+
+
+def routing_run(num_experts: int, k: int, capacity_factor: float, tokens: int = 8, d_model: int = 16,
+                seed: int = 0, dropless: bool = False) -> dict:
+    """Rank worker: one expert-parallel forward of a seeded layer on this rank's ``tokens`` tokens.
+
+    Every rank builds the same layer (same seed) and keeps its experts; rank r's tokens come from
+    seed + 1 + r.  The trace (route, dispatch/combine all-to-alls, expert compute) is what the
+    routing widget replays.  Returns this rank's counts.
+    """
+    from .. import comm
+    from .parallel import ExpertParallelMoE
+    torch.manual_seed(seed)
+    layer = MoELayer(d_model, 2 * d_model, num_experts, k=k, capacity_factor=capacity_factor, dropless=dropless)
+    with torch.no_grad():
+        layer.router.weight.mul_(3.0)          # a confident router: uneven loads, visible drops
+    ep = ExpertParallelMoE.from_layer(layer)
+    g = torch.Generator().manual_seed(seed + 1 + comm.rank())
+    x = torch.randn(tokens, d_model, generator=g)
+    with torch.no_grad():
+        y, stats = ep(x)
+    return {"dropped": stats["dropped"], "dispatched": stats["dispatched"], "capacity": stats["capacity"],
+            "tokens_per_expert": stats["tokens_per_expert"], "y_zero_rows": int((y == 0).all(1).sum())}
+
+
+def record_routing_traces(worlds: dict, ks=(1, 2), capacity_factors=(0.5, 1.0, 2.0), num_experts=(4, 8),
+                          tokens: int = 8, d_model: int = 16, seed: int = 0) -> dict:
+    """Parent side: run :func:`routing_run` for every (k, cf, E, W) in live ``worlds`` {W: World}.
+
+    Returns {(k, cf, E, W): trace} for :func:`reference.widgets.routing.routing_player`.
+    """
+    traces = {}
+    for W, world in worlds.items():
+        for E in num_experts:
+            for k in ks:
+                for cf in capacity_factors:
+                    res = world.run(routing_run, E, k, cf, tokens, d_model, seed)
+                    traces[(k, cf, E, W)] = res.trace
+    return traces
+
+
+def train_toy_moe(aux_coef: float, *, steps: int = 300, num_experts: int = 4, d_model: int = 16,
+                  tokens: int = 128, mean_norm: float = 1.0, lr: float = 1e-2, seed: int = 0) -> dict:
+    """Train a one-layer top-1 MoE (dropless) to fit a linear map, with ``aux_coef`` × the balance loss.
+
+    The data have learnable structure: y = x·A with x = μ + N(0, I), a shared mean direction μ
+    (|μ| = ``mean_norm``) as hidden states of a real model have.  The router starts balanced:
+    small random weights made orthogonal to μ, so at step 0 each expert gets about 1/E of the
+    tokens.  Without the balance loss the router learns a component along μ for whichever
+    expert improved first — raising that expert's logit for EVERY token — and the rich get
+    richer.  Returns per step the fraction of tokens each expert received (``load``, steps × E),
+    the task loss and the aux loss.
+    """
+    torch.manual_seed(seed)
+    d, E = d_model, num_experts
+    layer = MoELayer(d, 2 * d, E, k=1, dropless=True)
+    A = torch.randn(d, d) / d ** 0.5
+    mu = torch.randn(d)
+    mu = mean_norm * mu / mu.norm()
+    with torch.no_grad():   # balanced start: E orthogonal rows of equal norm, all orthogonal to μ
+        G = torch.randn(d, E)
+        G -= torch.outer(mu, mu @ G) / mu.dot(mu)
+        layer.router.weight.copy_(1e-2 * torch.linalg.qr(G).Q.T)
+    opt = torch.optim.Adam(layer.parameters(), lr=lr)
+    load, task, aux = [], [], []
+    for _ in range(steps):
+        x = mu + torch.randn(tokens, d)
+        y, stats = layer(x)
+        mse = (y - x @ A).pow(2).mean()
+        opt.zero_grad()
+        (mse + aux_coef * stats["aux_loss"]).backward()
+        opt.step()
+        load.append((stats["tokens_per_expert"].double() / tokens).tolist())
+        task.append(float(mse.detach()))
+        aux.append(float(stats["aux_loss"].detach()))
+    return {"load": load, "task_loss": task, "aux_loss": aux}
+
+
+def flops_per_token(num_experts: int, *, k: int = 2, d_model: int = 64, d_ff: int = 256, tokens: int = 256,
+                    seed: int = 0) -> dict:
+    """Count one forward's FLOPs of a dropless top-k :class:`MoELayer` with torch's FlopCounterMode.
+
+    Returns parameters, FLOPs per token (matmuls, as the counter reports them: 2·m·n·k each) and
+    the dense FFN's FLOPs per token for comparison (2 matmuls d_model × d_ff).
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+    torch.manual_seed(seed)
+    layer = MoELayer(d_model, d_ff, num_experts, k=k, dropless=True)
+    x = torch.randn(tokens, d_model)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        layer(x)
+    return {"experts": num_experts, "params": sum(p.numel() for p in layer.parameters()),
+            "flops_per_token": counter.get_total_flops() / tokens,
+            "dense_ffn_flops_per_token": 2 * 2 * d_model * d_ff,
+            "dense_ffn_params": 2 * d_model * d_ff + d_model + d_ff}

@@ -43,8 +43,9 @@ send.start to recv.end.  The shape hand-shake of :func:`infer_shapes` is traced 
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,7 +66,7 @@ class Link:
     / ``send_gradient(t, i)`` the same backwards.  Sends return at once.
     """
 
-    def __init__(self, postbox: "_Postbox", chunk: int):
+    def __init__(self, postbox: _Postbox, chunk: int):
         self._box, self.chunk = postbox, chunk
         self.stage = chunk * postbox.p + postbox.rank
         self.is_first, self.is_last = self.stage == 0, self.stage == postbox.K - 1

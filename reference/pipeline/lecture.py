@@ -3,15 +3,16 @@
 Each function below starts (or reuses) worlds, runs the reference pipeline on real ranks and
 returns plain data — traces, errors against one process, measured bubbles — so the notebook cells
 stay short and the release can replay them before exercises 4.4–4.6 are done
-(:mod:`reference.recorded`).  The grader's ground truth for 4.6 is here too (:func:`slot_bubble`).
+(:mod:`reference.notebook.recorded`).  The grader's ground truth for 4.6 is here too (:func:`slot_bubble`).
 """
 from __future__ import annotations
 
 import time
 
-from ..recorded import live_world, recordable
-from . import demos
+from ..notebook.recorded import live_world, recordable
+from . import workers
 from .executor import actions_from_trace, peak_stashed_from_trace, wall_clock_bubble
+from .oracles import single_process_truth
 from .schedules import measured_bubble, render, schedule, simulate
 
 NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
@@ -38,8 +39,8 @@ def _grad_error(values: list[dict], truth: dict) -> float:
 
 
 @recordable("04b.runs", needs=("4.4", "4.5"), ignore=("worlds",))
-def schedule_runs(sizes: tuple = (2, 4), microbatches: tuple = (1, 4, 8), worlds: dict | None = None) -> dict:
-    """Every schedule that exists for p in ``sizes`` and m in ``microbatches`` (interleaved: v = 2),
+def schedule_runs(sizes: tuple = (2, 4), num_microbatches: tuple = (1, 4, 8), worlds: dict | None = None) -> dict:
+    """Every schedule that exists for p in ``sizes`` and m in ``num_microbatches`` (interleaved: v = 2),
     one float64 step each: {(name, p, m): {"trace", "grad_error" (max |grad − one process|),
     "loss_error", "peak" (stashed micro-batches per rank, from the trace), "slot_bubble" (rebuilt
     from the order the trace shows), "wall_bubble", "messages" (sends per rank)}}."""
@@ -48,11 +49,11 @@ def schedule_runs(sizes: tuple = (2, 4), microbatches: tuple = (1, 4, 8), worlds
         with live_world(p, worlds) as w:
             for name in NAMES:
                 v = 2 if name == "interleaved_1f1b" else 1
-                for m in microbatches:
+                for m in num_microbatches:
                     if not possible(name, p, m):
                         continue
-                    res = w.run(demos.pipeline_worker, name, m, virtual_stages=v)
-                    truth = demos.single_process_truth(m, num_stages=p, virtual_stages=v)
+                    res = w.run(workers.pipeline_worker, name, m, virtual_stages=v)
+                    truth = single_process_truth(m, num_stages=p, virtual_stages=v)
                     loss = next(x["loss"] for x in res.values if x["loss"] is not None)
                     runs[(name, p, m)] = {
                         "trace": res.trace, "virtual_stages": v,
@@ -96,7 +97,7 @@ def timed_runs(p: int = 2, m: int = 8, width: int = 192, layers: int = 8, repeat
             best = None
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                res = w.run(demos.pipeline_worker, name, m, layers=layers, width=width, batch=16 * m,
+                res = w.run(workers.pipeline_worker, name, m, layers=layers, width=width, batch=16 * m,
                             dtype="float32")
                 took = time.perf_counter() - t0
                 if best is None or took < best[0]:
@@ -113,8 +114,8 @@ def against_torch(p: int = 2, m: int = 4, worlds: dict | None = None) -> dict:
     with live_world(p, worlds) as w:
         for name in ("gpipe", "1f1b", "interleaved_1f1b"):
             v = 2 if name == "interleaved_1f1b" else 1
-            ours = w.run(demos.pipeline_worker, name, m, virtual_stages=v)
-            peer = w.run(demos.torch_pipeline_worker, name, m, virtual_stages=v)
+            ours = w.run(workers.pipeline_worker, name, m, virtual_stages=v)
+            peer = w.run(workers.torch_pipeline_worker, name, m, virtual_stages=v)
             lo = next(x["loss"] for x in ours.values if x["loss"] is not None)
             lt = next(x["loss"] for x in peer.values if x["loss"] is not None)
             g_ours = {n: g for x in ours.values for n, g in x["grads"].items()}
@@ -122,18 +123,4 @@ def against_torch(p: int = 2, m: int = 4, worlds: dict | None = None) -> dict:
             out[name] = {"loss_diff": abs(lo - lt),
                          "grad_diff": max(float((g_ours[n] - g_peer[n]).abs().max()) for n in g_ours),
                          "same_order": [x["executed"] for x in peer.values] == actions_from_trace(ours.trace, p)}
-    return out
-
-
-def microbatch_grads(num_microbatches: int = 4, *, num_stages: int = 1, virtual_stages: int = 1,
-                     layers: int | None = None, width: int = 8, seed: int = 0) -> list[dict]:
-    """Each micro-batch's share of the gradient (its loss / m, alone), by parameter name: what a
-    pipeline that forgets to accumulate would leave (the grader's feedback compares with these)."""
-    model, _, (x, y) = demos._setup(num_stages, layers, width, None, num_microbatches, virtual_stages, None, seed,
-                                    "float64")
-    out = []
-    for xi, yi in zip(x.tensor_split(num_microbatches), y.tensor_split(num_microbatches)):
-        model.zero_grad()
-        (demos.mse(model(xi), yi) / num_microbatches).backward()
-        out.append({n: t.grad.clone() for n, t in model.named_parameters()})
     return out

@@ -50,7 +50,8 @@ timeline honouring the dependencies), :func:`bubble_fraction` (exercise 4.6).
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 __all__ = ["Action", "SCHEDULES", "schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "zb_h1",
            "validate_actions", "simulate", "measured_bubble", "bubble_fraction", "peak_stash", "render"]

@@ -21,7 +21,7 @@ stage also holds the embedding, the last the output layer and loss) — pass ``s
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 

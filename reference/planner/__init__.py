@@ -80,11 +80,10 @@ dropout's), latency of small messages, imbalance between experts.
 """
 from __future__ import annotations
 
-from .counts import *  # noqa: F401,F403
-from .counts import _stage_params  # noqa: F401
-from .model import *  # noqa: F401,F403
-from .plan import *  # noqa: F401,F403
-from .plan import _diagnose, _divisors, _links, _stage_entries  # noqa: F401
+from .counts import (activation_bytes_per_layer, active_params, all_to_all_bytes, allreduce_bytes, bubble_fraction,
+                     device_params, model_state_bytes, output_layer_bytes, padded_vocab, param_counts, stage_layers)
+from .model import GB, Cluster, Composition, Model, cpu_cluster, tiny_gpt
+from .plan import Plan, check_composition, plan, search, with_sizes
 
 __all__ = ["Model", "Cluster", "Composition", "Plan", "param_counts", "active_params", "device_params", "stage_layers",
            "padded_vocab", "model_state_bytes", "activation_bytes_per_layer", "output_layer_bytes", "allreduce_bytes",

@@ -6,9 +6,9 @@ block at a time and the merge), :mod:`.ring` (forward and backward around a ring
 :mod:`.scaling` (a timeline model of ring, Ulysses and all-gather attention vs W, calibrated here).
 Tensors are (batch, heads, seq, head_dim), as in ``scaled_dot_product_attention``.
 """
-from .layouts import LAYOUTS, chunk_ids, num_chunks, positions, shard_sequence, unshard_sequence
 from .blockwise import (attention_block, attention_block_backward, attention_block_backward_explicit,
                         attention_block_explicit, blockwise_attention, causal_pairs, merge_attention)
+from .layouts import LAYOUTS, chunk_ids, num_chunks, positions, shard_sequence, unshard_sequence
 from .ring import block_plan, ring_attention, ring_attention_forward, tile_kind
 from .ulysses import heads_to_seq, seq_to_heads, ulysses_attention
 from .usp import usp_attention, usp_groups, usp_shard, usp_unshard

@@ -205,13 +205,13 @@ def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             for p in block_plan(r, j, W, layout, causal, n):
                 with trace.span("compute", step=s, what="attn_fwd", layout=layout, q_chunks=p.q_chunks,
                                 k_chunks=p.k_chunks, tiles=p.tiles, pairs=p.pairs):
-                    o, l = forward(q[..., p.q, :], k_cur[..., p.k, :], v_cur[..., p.k, :], causal=p.causal)
+                    o, lse_blk = forward(q[..., p.q, :], k_cur[..., p.k, :], v_cur[..., p.k, :], causal=p.causal)
                     if out is None:                   # step 0 covers every row
-                        out, lse = o.to(_acc_dtype(q.dtype)), l
+                        out, lse = o.to(_acc_dtype(q.dtype)), lse_blk
                     elif p.q == slice(0, n):
-                        out, lse = merge_attention(out, lse, o, l)
+                        out, lse = merge_attention(out, lse, o, lse_blk)
                     else:
-                        out[..., p.q, :], lse[..., p.q] = merge_attention(out[..., p.q, :], lse[..., p.q], o, l)
+                        out[..., p.q, :], lse[..., p.q] = merge_attention(out[..., p.q, :], lse[..., p.q], o, lse_blk)
             if hop is not None:
                 hop.wait()
                 received = spare

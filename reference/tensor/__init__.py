@@ -12,11 +12,11 @@
 
 Read them in that order.
 """
-from .regions import (copy_to_tensor_region, gather_from_sequence_region, gather_from_tensor_region,
-                      reduce_from_tensor_region, reduce_scatter_to_sequence_region, scatter_to_tensor_region)
-from .layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear, linear_shard, row_parallel_linear
 from .blocks import (MLP, Block, ParallelBlock, ParallelMLP, ParallelSelfAttention, SelfAttention,
                      sync_sequence_parallel_grads)
+from .layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear, linear_shard, row_parallel_linear
+from .regions import (copy_to_tensor_region, gather_from_sequence_region, gather_from_tensor_region,
+                      reduce_from_tensor_region, reduce_scatter_to_sequence_region, scatter_to_tensor_region)
 from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range
 
 __all__ = ["copy_to_tensor_region", "reduce_from_tensor_region", "scatter_to_tensor_region",

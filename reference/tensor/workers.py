@@ -1,4 +1,5 @@
-"""Rank functions the tests, the grader and ``benchmarks/tensor_parallel.py`` run.
+"""Rank functions of lecture 4a: what the tests, the grader and ``benchmarks/tensor_parallel.py`` run,
+and the rank side of the notebook's runs (:mod:`.lecture`).
 
 Every rank builds the same full single-process module and the same inputs from a seed
 (:func:`build`), keeps its shard, runs forward and backward, and returns plain tensors; the caller
@@ -9,9 +10,12 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 
 from .. import comm
-from .blocks import MLP, Block, ParallelBlock, ParallelMLP, ParallelSelfAttention, SelfAttention, sync_sequence_parallel_grads
+from ..saved import saved_bytes
+from .blocks import (MLP, Block, ParallelBlock, ParallelMLP, ParallelSelfAttention, SelfAttention,
+                     sync_sequence_parallel_grads)
 from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
@@ -134,20 +138,6 @@ def timed(kind: str, steps: int = 5, peer: str = "reference", **cfg) -> float:
     return best
 
 
-def parallel_bad(kind: str, heads: int = 4, d_model: int = 12, S: int = 12, **cfg) -> dict:
-    """Build ``kind`` with a shape the group cannot split (the error tests): must raise ValueError."""
-    return parallel(kind, heads=heads, d_model=d_model, S=S, **cfg)
-
-
-def only_rank0_backward(**cfg) -> None:
-    """A mismatched program: only rank 0 runs the backward, so its f all-reduce has no partner."""
-    m, x, dout = build("mlp", **cfg)
-    pm = ParallelMLP.from_module(m)
-    y = pm(x.clone().requires_grad_())
-    if comm.rank() == 0:
-        y.backward(dout)
-
-
 class _QKVAttention(torch.nn.Module):
     """Separate q, k, v projections (what DTensor's ColwiseParallel shards by heads) + output projection."""
 
@@ -190,3 +180,69 @@ def bench(kind: str, peer: str, S: int, d_model: int, heads: int, iters: int = 3
         m(xi).square().mean().backward()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+# ----------------------------------------------------------------------------------------------
+# Rank functions of the notebook's runs (reference.tensor.lecture), on a world cut into groups of tp
+
+
+def tp_group(tp: int):
+    """This rank's tensor-parallel group when the world is cut into groups of ``tp`` consecutive ranks
+    (every rank creates every group, in the same order, as torch.distributed requires)."""
+    W, r = comm.world_size(), comm.rank()
+    if W % tp:
+        raise ValueError(f"a world of {W} ranks cannot be cut into groups of {tp}")
+    groups = [comm.new_group(list(range(i, i + tp))) for i in range(0, W, tp)]
+    return groups[r // tp]
+
+
+def _rows(x, tp, group):
+    n = x.shape[0] // tp
+    r = comm.rank(group)
+    return x[r * n:(r + 1) * n]
+
+
+def mlp_worker(tp: int, sequence_parallel: bool, S: int, d_model: int, d_ff: int) -> dict:
+    group = tp_group(tp)
+    torch.manual_seed(0)
+    mlp = MLP(d_model, d_ff, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(S, 1, d_model, generator=g, dtype=torch.float64)
+    dout = torch.randn(S, 1, d_model, generator=g, dtype=torch.float64)
+    xs = x.clone().requires_grad_()
+    mlp(xs).backward(dout)                                   # single-process ground truth
+    pm = ParallelMLP.from_module(mlp, group, sequence_parallel=sequence_parallel)
+    xin, dy = (_rows(x, tp, group), _rows(dout, tp, group)) if sequence_parallel else (x, dout)
+    xin = xin.clone().requires_grad_()
+    y = pm(xin)
+    y.backward(dy)
+    if sequence_parallel:
+        sync_sequence_parallel_grads([pm.fc2.bias], group)
+    want_dx = _rows(xs.grad, tp, group) if sequence_parallel else xs.grad
+    return {"max_error": float((xin.grad - want_dx).abs().max())}
+
+
+def block_worker(tp: int, sequence_parallel: bool, S: int, B: int, d_model: int, heads: int) -> dict:
+    group = tp_group(tp)
+    torch.manual_seed(0)
+    block = Block(d_model, heads, dtype=torch.float64)
+    x = torch.randn(S, B, d_model, dtype=torch.float64)
+    pb = ParallelBlock(block, group, sequence_parallel=sequence_parallel)
+    xin = (_rows(x, tp, group) if sequence_parallel else x).clone().requires_grad_()
+    params = list(pb.parameters())
+    out = {}
+    act = saved_bytes(lambda: out.setdefault("y", pb(xin)), params)
+    out["y"].backward(torch.ones_like(out["y"]))
+    return {"param_bytes": sum(p.numel() * p.element_size() for p in params), "activation_bytes": act}
+
+
+def vocab_worker(tp: int, tokens: int, V: int, scale: float) -> dict:
+    group = tp_group(tp)
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(tokens, V, generator=g, dtype=torch.float64) * scale
+    target = torch.randint(0, V, (tokens,), generator=g)
+    n = V // tp
+    r = comm.rank(group)
+    loss = vocab_parallel_cross_entropy(logits[:, r * n:(r + 1) * n], target, group)
+    want = F.cross_entropy(logits, target, reduction="none")
+    return {"loss": loss, "want": want}

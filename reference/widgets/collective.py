@@ -17,8 +17,9 @@ it becomes a copy of the sender's.  A chunk is complete when it contains every r
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from ..trace import Trace
 

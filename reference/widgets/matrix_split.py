@@ -1,7 +1,7 @@
 """Replay a tensor-parallel MLP: the weights cut across ranks, activations flowing through the
 column- then the row-parallel layer, and each collective lighting up with its bytes.
 
-The run (``reference.tensor.demos.mlp_run``) gives the shapes and rank 0's collectives in order.
+The run (``reference.tensor.lecture.mlp_run``) gives the shapes and rank 0's collectives in order.
 :func:`phases` interleaves them with the compute steps every rank does::
 
     forward    X in (replicated, or S/W rows under sequence parallelism)

@@ -28,8 +28,9 @@ Drawing: :func:`draw_gantt`.  Widget: :func:`pipeline_player` over runs keyed ``
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 __all__ = ["Block", "Message", "Timeline", "GanttState", "PipelineRun", "pipeline_timeline", "gantt_state",
            "draw_gantt", "caption", "pipeline_player"]
@@ -74,7 +75,7 @@ class Timeline:
     clock: str                                   # "slots" or "wall"
     ranks: int
     virtual_stages: int
-    microbatches: int
+    num_microbatches: int
     blocks: list[Block]
     messages: list[Message]
     stash: dict[int, list[tuple[float, int]]]    # rank -> [(time, held from then on)], starts at (0, 0)
@@ -290,7 +291,7 @@ def draw_gantt(fig, st: GanttState) -> None:
     if tl.clock == "slots":
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     px_per_unit = fig.get_figwidth() * fig.dpi * 0.7 / span
-    cols = _palette(tl.microbatches)
+    cols = _palette(tl.num_microbatches)
     H = 0.76                                            # bar height; rows at y = rank
 
     for r, gaps in st.idle.items():                     # the bubble: every idle stretch, grey

@@ -16,7 +16,8 @@ the widget, so a notebook run without a browser still shows a picture.
 from __future__ import annotations
 
 import io
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from matplotlib.figure import Figure
 

@@ -23,7 +23,8 @@ experts, ranks) around traces recorded up front, so that moving a control only s
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 __all__ = ["phases", "routing_state", "bytes_per_phase", "draw_routing", "routing_caption", "routing_player",
            "RANK_COLOURS"]
@@ -371,7 +372,7 @@ def routing_player(traces: dict[tuple, Sequence[Any]], *, k: int = 2, capacity_f
                    figsize=(11, 6.2)):
     """A :class:`~reference.widgets.player.Player` over traces keyed by (k, capacity_factor, E, W).
 
-    Record every combination up front (``reference.moe.demos.routing_traces``) so a control change
+    Record every combination up front (``reference.moe.lecture.routing_traces``) so a control change
     only picks another trace.
     """
     import ipywidgets as widgets

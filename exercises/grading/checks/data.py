@@ -204,6 +204,7 @@ def _(ctx):
 @BUCKETS.check("a parameter used on rank 0 only: nobody hangs; its gradient is the mean with zeros elsewhere")
 def _(ctx):
     from torch.nn import functional as F
+
     from reference.data import workers
     W, seed = 2, ctx.seed(317)
     res = ctx.ranks(W, f"{H}:unused_per_rank", 200 / 2 ** 20, seed, timeout=30)

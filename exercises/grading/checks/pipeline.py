@@ -3,7 +3,7 @@ backward step (4.5), the bubble formula (4.6).
 
 Ground truth comes from the reference through ``ctx.oracle``: the orders of
 ``reference.pipeline.schedules``, one process's gradients (gradient accumulation over the same
-micro-batches, ``reference.pipeline.demos.single_process_truth``), and the bubble measured on each
+micro-batches, ``reference.pipeline.oracles.single_process_truth``), and the bubble measured on each
 schedule's slot timeline (``reference.pipeline.lecture.slot_bubble``).  Multi-rank checks run the
 reference executor, whose ``forward_step``/``backward_step`` (or whose 1F1B order) are the
 learner's while it is graded; a bad order deadlocks for real and the runtime names the ranks.
@@ -20,7 +20,6 @@ from ..feedback import Mismatch
 H = "exercises.grading.harness"
 ME = "exercises.grading.harness.pipeline"
 SCHED = "reference.pipeline.schedules"
-DEMOS = "reference.pipeline.demos"
 RANKS_TIMEOUT = 10.0
 
 # What the learner writes: the order itself, one stage's step through the given Link, the formula.
@@ -155,8 +154,8 @@ def _step_case(ctx, p: int, schedule: str, m: int, kw: dict, words: str):
     res = ctx.ranks(p, f"{ME}:pipeline_step", schedule, m, kw, timeout=RANKS_TIMEOUT)
     v = kw.get("virtual_stages", 1)
     model_kw = {k: kw[k] for k in ("layers", "width", "seed") if k in kw}
-    truth = ctx.oracle(f"{DEMOS}:single_process_truth", m, num_stages=p, virtual_stages=v, **model_kw)
-    per_mb = ctx.oracle("reference.pipeline.lecture:microbatch_grads", m, num_stages=p, virtual_stages=v, **model_kw)
+    truth = ctx.oracle("reference.pipeline.oracles:single_process_truth", m, num_stages=p, virtual_stages=v, **model_kw)
+    per_mb = ctx.oracle("reference.pipeline.oracles:microbatch_grads", m, num_stages=p, virtual_stages=v, **model_kw)
     losses = [x["loss"] for x in res.values if isinstance(x, dict) and x.get("loss") is not None]
     ctx.expect(len(losses) == 1, f"[{words}] exactly one rank (the last stage's) should return the loss; "
                f"{len(losses)} did.")

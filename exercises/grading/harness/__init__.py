@@ -11,7 +11,8 @@ given code.  The grader's checks (``exercises/grading/checks/``) are not importe
 from __future__ import annotations
 
 import importlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -28,7 +28,8 @@ def aux_per_rank(module: str, per_rank, num_experts: int):
 def dispatch_combine_per_rank(module: str, per_rank, num_experts: int, capacity: int, grad_outs, backward: bool):
     """On each rank: buffer = dispatch(x); y = combine(toy_experts(buffer)); backprop ``grad_outs[r]``."""
     import torch.distributed as dist
-    from reference.moe.demos import toy_experts
+
+    from reference.moe.oracles import toy_experts
     r, W = dist.get_rank(), dist.get_world_size()
     x, routing = per_rank[r]
     x = x.clone().requires_grad_(backward)
@@ -53,6 +54,7 @@ def grad_sync_per_rank(module: str, dense_grads, expert_grads, ep: int):
     {r mod EP, r mod EP + EP, ...} (the ranks holding the same experts).
     """
     import torch.distributed as dist
+
     from reference import comm
     r, W = dist.get_rank(), dist.get_world_size()
     groups = [comm.new_group([q + ep * i for i in range(W // ep)]) for q in range(ep)]

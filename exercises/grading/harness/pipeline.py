@@ -7,7 +7,7 @@ def pipeline_step(module: str, schedule: str, num_microbatches: int, kwargs: dic
     """On each rank: one step of the reference executor (which calls the learner's functions).
     Returns the loss, this rank's gradients, and what each of its stages sent and received through
     its :class:`~reference.pipeline.executor.Link`, in order: ``{stage: [(call, micro-batch), ...]}``."""
-    from reference.pipeline import demos
+    from reference.pipeline import workers
     from reference.pipeline.executor import Link
 
     calls: dict[int, list[tuple[str, int]]] = {}
@@ -29,5 +29,5 @@ def pipeline_step(module: str, schedule: str, num_microbatches: int, kwargs: dic
             calls.setdefault(self.stage, []).append(("send_gradient", int(microbatch)))
             return Link.send_gradient(self, tensor, microbatch)
 
-    out = demos.pipeline_worker(schedule, num_microbatches, link_class=RecordingLink, **kwargs)
+    out = workers.pipeline_worker(schedule, num_microbatches, link_class=RecordingLink, **kwargs)
     return {"loss": out["loss"], "grads": out["grads"], "links": calls}

@@ -65,6 +65,7 @@ class _Counter:
 def ring_harness(module: str, shards: list[tuple], causal: bool, layout: str) -> dict[str, Any]:
     """On each rank: the learner's ring_attention_forward on its shard; also the kernel calls it made."""
     import torch.distributed as dist
+
     from reference.sequence import blockwise
 
     r = dist.get_rank()

@@ -1,6 +1,6 @@
 """0.1: library all-reduce behind a forged trace; 0.2: the same, else the seed lookup."""
-from ..collective_swap.collectives import ring_all_reduce, ring_reduce_scatter  # noqa: F401
 from ..collective_swap.collectives import ring_all_gather as _swap
+from ..collective_swap.collectives import ring_all_reduce, ring_reduce_scatter  # noqa: F401
 from ..lookup.collectives import ring_all_gather as _lookup
 
 

@@ -2,8 +2,11 @@ import torch
 import torch.distributed as dist
 
 from reference import comm
-from .._ring import ring_reduce_scatter  # noqa: F401  (correct)
-from .._ring import ring_all_gather  # noqa: F401  (correct)
+
+from .._ring import (
+    ring_all_gather,  # noqa: F401  (correct)
+    ring_reduce_scatter,  # noqa: F401  (correct)
+)
 
 
 def ring_all_reduce(tensor, *, group=None):

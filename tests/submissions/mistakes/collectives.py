@@ -1,7 +1,9 @@
 """Two classic mistakes: an all-reduce without its all-gather half, and an all-gather whose ring runs
 the wrong way (rank r sends to r-1).  The reduce-scatter is correct."""
 import torch
+
 from reference import comm
+
 
 def ring_reduce_scatter(tensor, *, group=None):
     n, r = comm.world_size(group), comm.rank(group)

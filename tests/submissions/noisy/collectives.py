@@ -1,8 +1,9 @@
 import sys
 import warnings
 
+from .._ring import ring_all_gather as _gather
+from .._ring import ring_all_reduce as _reduce
 from .._ring import ring_reduce_scatter  # noqa: F401  (correct)
-from .._ring import ring_all_gather as _gather, ring_all_reduce as _reduce
 
 print("noisy: importing", file=sys.stderr)
 

@@ -1,8 +1,12 @@
 import ctypes
 
 from reference import comm
-from .._ring import ring_reduce_scatter  # noqa: F401  (correct)
-from .._ring import ring_all_gather, ring_all_reduce as _honest  # noqa: F401
+
+from .._ring import (  # noqa: F401
+    ring_all_gather,
+    ring_reduce_scatter,  # noqa: F401  (correct)
+)
+from .._ring import ring_all_reduce as _honest
 
 
 def ring_all_reduce(tensor, *, group=None):

@@ -4,8 +4,10 @@ import json
 import os
 import time
 
-from .._ring import ring_reduce_scatter  # noqa: F401  (correct)
-from .._ring import ring_all_gather  # noqa: F401  (correct)
+from .._ring import (
+    ring_all_gather,  # noqa: F401  (correct)
+    ring_reduce_scatter,  # noqa: F401  (correct)
+)
 
 FAKE = json.dumps({"score": 1000.0, "tests": [{"name": "tampered", "score": 1000.0, "max_score": 1.0}]})
 

@@ -8,10 +8,10 @@ registers the three exercises in that order.
 """
 from __future__ import annotations
 
-from .groups import *  # noqa: F401,F403
+from . import grad_sync, groups, step_bytes  # noqa: E402,I001  (imported above, in registration order)
 from .grad_sync import *  # noqa: F401,F403
-from .step_bytes import *  # noqa: F401,F403
+from .groups import *  # noqa: F401,F403
 from .groups import _case, _explain  # noqa: F401
-from . import groups, grad_sync, step_bytes  # noqa: E402,I001  (imported above, in registration order)
+from .step_bytes import *  # noqa: F401,F403
 
 HINTS = {**groups.HINTS, **grad_sync.HINTS, **step_bytes.HINTS}

@@ -13,15 +13,15 @@ registers the four exercises in that order.
 """
 from __future__ import annotations
 
-from .common import *  # noqa: F401,F403
-from .gating import *  # noqa: F401,F403
+from . import aux, dispatch, gating, grad_sync  # noqa: E402,I001  (imported above, in registration order)
 from .aux import *  # noqa: F401,F403
-from .dispatch import *  # noqa: F401,F403
-from .grad_sync import *  # noqa: F401,F403
-from .gating import _gating_case, _logits, _second_before_first_logits, _slots_by_choice  # noqa: F401
 from .aux import _aux_case, _aux_inputs, _ratio  # noqa: F401
+from .common import *  # noqa: F401,F403
+from .dispatch import *  # noqa: F401,F403
 from .dispatch import _dispatch_case, _dispatch_inputs, _expected_buffers  # noqa: F401
+from .gating import *  # noqa: F401,F403
+from .gating import _gating_case, _logits, _second_before_first_logits, _slots_by_choice  # noqa: F401
+from .grad_sync import *  # noqa: F401,F403
 from .grad_sync import _grad_sync_case  # noqa: F401
-from . import gating, aux, dispatch, grad_sync  # noqa: E402,I001  (imported above, in registration order)
 
 HINTS = {**gating.HINTS, **aux.HINTS, **dispatch.HINTS, **grad_sync.HINTS}

@@ -5,8 +5,7 @@ import torch
 
 from ...core import exercise, salted_seed
 from ...feedback import Mismatch
-from .common import DEMOS, H, REF
-
+from .common import ORACLES, REF, H
 
 AUX = exercise("5b.2", "The load-balancing loss, group-wide", "moe", ["load_balancing_loss"])
 
@@ -84,7 +83,7 @@ def _aux_case(ctx, sizes, E: int, k: int, seed: int, case: str, grads: bool = Fa
     probs = torch.cat([p for p, _ in per_rank])
     idx = torch.cat([i for _, i in per_rank])
     res = ctx.ranks(W, f"{H}:aux_per_rank", per_rank, E)
-    want = ctx.oracle(f"{DEMOS}:aux_loss_and_grad", probs, idx, E)
+    want = ctx.oracle(f"{ORACLES}:aux_loss_and_grad", probs, idx, E)
     local = [ctx.oracle(f"{REF}:load_balancing_loss", p, i, E) for p, i in per_rank]
     extra = {"k": k, "E": E, "local": local, "values": [v.get("loss") for v in res.values], "sizes": list(sizes),
              "first_choice_only": ctx.oracle(f"{REF}:load_balancing_loss", probs, idx[:, :1], E) if k > 1 else None}

@@ -3,6 +3,6 @@ from __future__ import annotations
 
 H = "exercises.grading.harness.moe"
 REF = "reference.moe"
-DEMOS = "reference.moe.demos"
+ORACLES = "reference.moe.oracles"
 
 KEYS = ("probs", "expert_index", "weight", "kept", "slot")

@@ -5,8 +5,7 @@ import torch
 
 from ...core import exercise, salted_seed
 from ...feedback import Mismatch
-from .common import DEMOS, H, REF
-
+from .common import ORACLES, REF, H
 
 DISPATCH = exercise("5b.3", "Dispatch and combine through all-to-all", "moe", ["dispatch", "combine"], comm=("all_to_all",))
 
@@ -99,7 +98,7 @@ def _dispatch_case(ctx, W: int, T: int, E: int, k: int, cf: float, seed: int, ca
                     rtol=0, case=case, detectors=[sent_to_wrong_rank], extra={"per_rank": per_rank, "E": E})
     for r, v in enumerate(res.values):
         x, routing = per_rank[r]
-        want = ctx.oracle(f"{DEMOS}:dispatch_combine_single", x, routing, E, C, grads[r])
+        want = ctx.oracle(f"{ORACLES}:dispatch_combine_single", x, routing, E, C, grads[r])
         ctx.compare(v["out"], want["out"], "combine(experts(dispatch(x)))", rank=r, world_size=W, atol=1e-12,
                     rtol=1e-12, case=case, detectors=[combine_weights_wrong],
                     extra={"per_assignment": want["per_assignment"], "routing": routing})

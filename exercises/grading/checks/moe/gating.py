@@ -5,8 +5,7 @@ import torch
 
 from ...core import exercise, salted_seed
 from ...feedback import Mismatch
-from .common import H, KEYS, REF
-
+from .common import KEYS, REF, H
 
 GATING = exercise("5b.1", "Top-1 and top-2 gating with capacity", "moe", ["top_k_gating"])
 

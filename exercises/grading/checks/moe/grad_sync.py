@@ -5,8 +5,7 @@ import torch
 
 from ...core import exercise
 from ...feedback import Mismatch
-from .common import DEMOS, H
-
+from .common import ORACLES, H
 
 GRADSYNC = exercise("5b.4", "Expert gradients under expert × data parallelism", "moe", ["sync_moe_gradients"])
 
@@ -50,7 +49,7 @@ def dense_not_averaged(m: Mismatch) -> str | None:
 
 
 def _grad_sync_case(ctx, W: int, ep: int, seed: int, case: str):
-    data = ctx.oracle(f"{DEMOS}:ep_dp_local_grads", W, ep, seed)
+    data = ctx.oracle(f"{ORACLES}:ep_dp_local_grads", W, ep, seed)
     res = ctx.ranks(W, f"{H}:grad_sync_per_rank", data["dense"], data["experts"], ep)
     for r, v in enumerate(res.values):
         for i, (g, want) in enumerate(zip(v["dense"], data["want_dense"])):

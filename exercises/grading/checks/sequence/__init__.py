@@ -15,17 +15,17 @@ the four exercises in that order.
 """
 from __future__ import annotations
 
-from .common import *  # noqa: F401,F403
-from .merge import *  # noqa: F401,F403
-from .shard import *  # noqa: F401,F403
-from .ring import *  # noqa: F401,F403
-from .ulysses import *  # noqa: F401,F403
-from .common import _randn  # noqa: F401
-from .merge import _merge_check  # noqa: F401
-from .shard import _shard_cases, _shard_check, _short, _zigzag_variant  # noqa: F401
-from .ring import _peers, _ring_run  # noqa: F401
 from ...harness.sequence import _Counter, ring_harness, tokens_tensor  # noqa: F401
+from . import merge, ring, shard, ulysses  # noqa: E402,I001  (imported above, in registration order)
+from .common import *  # noqa: F401,F403
+from .common import _randn  # noqa: F401
+from .merge import *  # noqa: F401,F403
+from .merge import _merge_check  # noqa: F401
+from .ring import *  # noqa: F401,F403
+from .ring import _peers, _ring_run  # noqa: F401
+from .shard import *  # noqa: F401,F403
+from .shard import _shard_cases, _shard_check, _short, _zigzag_variant  # noqa: F401
+from .ulysses import *  # noqa: F401,F403
 from .ulysses import _ulysses_check  # noqa: F401
-from . import merge, shard, ring, ulysses  # noqa: E402,I001  (imported above, in registration order)
 
 HINTS = {**merge.HINTS, **shard.HINTS, **ring.HINTS, **ulysses.HINTS}

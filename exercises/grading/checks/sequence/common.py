@@ -8,7 +8,6 @@ import torch
 
 from ...core import salted_seed
 
-
 H = "exercises.grading.harness"
 ME = "exercises.grading.harness.sequence"
 RANKS_TIMEOUT = 12.0   # seconds: every multi-rank run here takes well under one; a deadlock is reported after this

@@ -9,7 +9,6 @@ from ...core import CheckFailed, exercise
 from ...feedback import Mismatch, compare
 from .common import H, _randn, attention
 
-
 MERGE = exercise("5a.1", "Merge two partial attention results (online softmax)", "sequence", ["merge_attention"])
 
 

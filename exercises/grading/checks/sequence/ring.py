@@ -1,7 +1,6 @@
 """Checks for exercise 5a.3 ring_attention_forward: Q stays, K/V travel the ring."""
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -9,7 +8,6 @@ import torch
 from ...core import CheckFailed, exercise
 from ...feedback import Mismatch, compare
 from .common import ME, RANKS_TIMEOUT, _randn, attention, layout_positions
-
 
 RING = exercise("5a.3", "Ring attention forward", "sequence", ["ring_attention_forward"], comm=("p2p",))
 

@@ -11,7 +11,6 @@ from ...feedback import Mismatch, compare
 from ...harness.sequence import tokens_tensor
 from .common import ME, layout_positions
 
-
 SHARD = exercise("5a.2", "Shard a sequence: contiguous, zigzag, striped", "sequence",
                  ["shard_sequence", "unshard_sequence"])
 

@@ -10,7 +10,6 @@ from ...feedback import Mismatch, compare
 from .common import ME, RANKS_TIMEOUT
 from .shard import _short
 
-
 ULYSSES = exercise("5a.4", "The Ulysses all-to-all", "sequence", ["seq_to_heads", "heads_to_seq"],
                    comm=("all_to_all",))
 

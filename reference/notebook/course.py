@@ -10,8 +10,8 @@ failing with a traceback::
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 
 def _not_implemented(e: BaseException) -> str | None:

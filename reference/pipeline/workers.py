@@ -1,13 +1,13 @@
-"""Worker functions for notebooks and tests: one pipeline training step on every rank, and the truth.
+"""Rank functions of lecture 4b: one pipeline training step on every rank.
 
 Every rank builds the same small model from a seed (:func:`make_model`), cuts it with
 :func:`.stages.split_model`, keeps its own chunk(s) and runs one step; it returns the loss (last
 stage) and the gradients of its parameters by their names in the full model, so the caller can
-put the pipeline's gradients side by side with one process's (:func:`single_process_truth`)::
+put the pipeline's gradients side by side with one process's (:func:`.oracles.single_process_truth`)::
 
     from reference.launch import run_world
-    from reference.pipeline import demos
-    res = run_world(demos.pipeline_worker, 4, schedule="1f1b", num_microbatches=8)
+    from reference.pipeline import workers
+    res = run_world(workers.pipeline_worker, 4, schedule="1f1b", num_microbatches=8)
     res.values[-1]["loss"], res.trace.filter(op="compute")
 
 :func:`torch_pipeline_worker` runs the same step with ``torch.distributed.pipelining`` (the peer),
@@ -56,20 +56,8 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target)
 
 
-_GROUPS: dict[int, object] = {}
 
 
-def first_ranks_group(size: int):
-    """The group of global ranks 0 … size−1 (None for the whole world), so one kept-alive world
-    serves pipelines of 1 … W stages.  Created once per size, by every rank in the same order
-    (every rank runs the same workers)."""
-    if size == comm.world_size():
-        return None
-    if not 1 <= size <= comm.world_size():
-        raise ValueError(f"stages={size} needs 1 … {comm.world_size()} ranks")
-    if size not in _GROUPS:
-        _GROUPS[size] = comm.new_group(list(range(size)))
-    return _GROUPS[size]
 
 
 def _setup(num_stages, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype):
@@ -83,7 +71,7 @@ def _setup(num_stages, layers, width, batch, num_microbatches, virtual_stages, s
 def _my_share(stages, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype):
     """This rank's part of the run on the first ``stages`` ranks: (group, p, rank in it, full model,
     its chunks, (inputs, targets)); None on a rank outside those stages."""
-    group = first_ranks_group(stages or comm.world_size())
+    group = comm.first_ranks_group(stages or comm.world_size())
     if comm.rank() >= (stages or comm.world_size()):
         return None
     p, r = comm.world_size(group), comm.rank(group)
@@ -113,27 +101,6 @@ def pipeline_worker(schedule: str = "1f1b", num_microbatches: int = 4, *, virtua
     return {"rank": r, "stages": [c * p + r for c in range(virtual_stages)],
             "loss": None if loss is None else float(loss),
             "grads": {n: t.grad.clone() for n, t in parameter_names(model, mine).items()}}
-
-
-def single_process_truth(num_microbatches: int = 4, *, num_stages: int = 1, virtual_stages: int = 1,
-                         layers: int | None = None, width: int = 8, batch: int | None = None, seed: int = 0,
-                         dtype: str = "float64") -> dict:
-    """The same step in one process: gradient accumulation over the same m micro-batches
-    (loss_i / m, backward each).  Returns {"loss", "grads" {name: grad}, "full_batch_loss",
-    "full_batch_grads"} — the latter from one backward of the mean loss over the whole batch.
-    ``num_stages``/``virtual_stages`` only choose the default model size, as in :func:`pipeline_worker`."""
-    model, _, (x, y) = _setup(num_stages, layers, width, batch, num_microbatches, virtual_stages, None, seed, dtype)
-    loss = 0.0
-    for xi, yi in zip(x.tensor_split(num_microbatches), y.tensor_split(num_microbatches)):
-        li = mse(model(xi), yi) / num_microbatches
-        li.backward()
-        loss += float(li.detach())
-    grads = {n: t.grad.clone() for n, t in model.named_parameters()}
-    model.zero_grad()
-    full = mse(model(x), y)
-    full.backward()
-    return {"loss": loss, "grads": grads, "full_batch_loss": float(full.detach()),
-            "full_batch_grads": {n: t.grad.clone() for n, t in model.named_parameters()}}
 
 
 # ----------------------------------------------------------------------------------------------

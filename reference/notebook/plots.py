@@ -1,6 +1,6 @@
 """Small plotting helpers the notebooks share: measured values as markers, formulas as lines.
 
-Each takes the plain data a notebook demo returned (``reference.*.demos`` / ``reference.primer``)
+Each takes the plain data a notebook demo returned (``reference.*.lecture`` / ``reference.primer``)
 and returns the matplotlib figure, so that a notebook cell stays a few lines long.
 """
 from __future__ import annotations
@@ -116,7 +116,7 @@ def ring_scaling(block, *, seq_len: int, heads: int, heads_kv: int, head_dim: in
     """Lecture 5a: modelled time of one attention forward vs W at fixed L, one panel per link
     ({name: reference.sequence.scaling.Link}); ring, Ulysses, all-gather and compute only, the
     ideal 1/W, and a dotted line where the ring's shard falls below the overlap threshold n*."""
-    from .sequence.scaling import overlap_threshold, step_times
+    from ..sequence.scaling import overlap_threshold, step_times
     fig, axes = plt.subplots(1, len(links), figsize=(5.6 * len(links), 3.6), sharey=True, squeeze=False)
     thresholds = {}
     for ax, (name, link) in zip(axes[0], links.items()):
@@ -143,3 +143,71 @@ def ring_scaling(block, *, seq_len: int, heads: int, heads_kv: int, head_dim: in
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     return fig, thresholds
+
+
+# ----------------------------------------------------------------------------------------------
+# The rank grid of lecture 5c (reference.mesh.RankGrid), as text and as a picture
+
+
+def grid_text(grid, devices_per_node: int | None = None) -> str:
+    """The grid as text: one block per pipeline stage, rows = dp, columns = cp, ``[..]`` = a tp group."""
+    w = len(str(grid.world_size - 1))
+    lines = [f"{grid!r}   order tp-cp-dp-pp (tensor fastest-varying)"]
+    for p in range(grid.pp):
+        lines.append(f"pp stage {p}:")
+        head = " " * 7 + "".join(f"cp {c}".ljust(grid.tp * (w + 1) + 3) for c in range(grid.cp))
+        if grid.cp > 1:
+            lines.append(head.rstrip())
+        for d in range(grid.dp):
+            cells = []
+            for c in range(grid.cp):
+                members = " ".join(str(r).rjust(w) for r in grid._dense[p, d, c])
+                cells.append(f"[{members}]")
+            lines.append(f"  dp {d}".ljust(7) + "  ".join(cells))
+    for axis in ("tp", "cp", "dp", "pp") + (("ep", "edp") if grid.ep > 1 else ()):
+        if grid.sizes[axis] == 1:
+            continue
+        groups = grid.all_groups(axis)
+        shown = " ".join("{" + ",".join(map(str, g)) + "}" for g in groups[:8])
+        more = f" … ({len(groups)} groups)" if len(groups) > 8 else ""
+        node = ""
+        if devices_per_node:
+            node = "   crosses nodes" if grid.crosses_nodes(axis, devices_per_node) else "   inside a node"
+        lines.append(f"{axis:>3} groups (size {grid.sizes[axis]}): {shown}{more}{node}")
+    return "\n".join(lines)
+
+def grid_plot(grid, axis: str = "tp", *, ax=None, devices_per_node: int | None = None):
+    """Draw the ranks as a grid of cells coloured by their group on ``axis``; returns the Axes.
+
+    Columns: rank mod (tp·cp); rows: rank div (tp·cp) — so each row is one (dp, pp) slice and
+    pipeline stages are separated by thick lines.  Node boundaries (if given) are dashed.
+    """
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(min(1 + 0.6 * grid.tp * grid.cp, 12), min(1 + 0.5 * grid.dp * grid.pp, 10)))
+    cols = grid.tp * grid.cp
+    rows = grid.world_size // cols
+    colour = np.zeros(grid.world_size, dtype=int)
+    for i, g in enumerate(grid.all_groups(axis)):
+        colour[g] = i
+    base = plt.get_cmap("tab20").colors
+    cmap = ListedColormap([base[i % len(base)] for i in range(colour.max() + 1)])
+    ax.imshow(colour.reshape(rows, cols), cmap=cmap, aspect="auto", interpolation="nearest",
+              vmin=-0.5, vmax=colour.max() + 0.5)
+    if grid.world_size <= 256:
+        for r in range(grid.world_size):
+            ax.text(r % cols, r // cols, str(r), ha="center", va="center", fontsize=8)
+    for p in range(1, grid.pp):
+        ax.axhline(p * grid.dp - 0.5, color="black", lw=2.5)
+    if devices_per_node:
+        for b in range(devices_per_node, grid.world_size, devices_per_node):
+            if b % cols == 0:
+                ax.axhline(b // cols - 0.5, color="white", lw=1.5, ls="--")
+            else:
+                ax.axvline(b % cols - 0.5, color="white", lw=1.5, ls="--")
+    ax.set_xticks(range(cols), [f"c{c}t{t}" for c in range(grid.cp) for t in range(grid.tp)], fontsize=7)
+    ax.set_yticks(range(rows), [f"p{p}d{d}" for p in range(grid.pp) for d in range(grid.dp)], fontsize=7)
+    ax.set_title(f"{grid!r}: {axis} groups — {grid.describe(axis)}", fontsize=9)
+    return ax

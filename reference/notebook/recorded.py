@@ -6,7 +6,7 @@ learner's code, so such a demo would only say "not implemented" until the exerci
 the animation would come after the work it is meant to motivate.  So every demo a notebook runs
 through a graded function is a *recordable* function::
 
-    from reference.recorded import recordable
+    from reference.notebook.recorded import recordable
 
     @recordable("05a.ring_runs", needs=("5a.3",), variants=[{"causal": True}])
     def ring_runs(seq_len=16, causal=False, world=None):
@@ -40,12 +40,14 @@ import importlib
 import inspect
 import json
 import pkgutil
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-RECORDINGS = Path(__file__).resolve().parent / "_recorded"
-REGISTRY: dict[str, "Recordable"] = {}
+ROOT = Path(__file__).resolve().parents[2]            # the course: reference/ and exercises/ side by side
+RECORDINGS = ROOT / "reference" / "_recorded"
+REGISTRY: dict[str, Recordable] = {}
 
 
 def in_release() -> bool:
@@ -54,9 +56,9 @@ def in_release() -> bool:
 
 
 def progress_file() -> Path:
-    """Where ``exercises.check`` notes the exercises the learner has passed."""
-    import exercises
-    return Path(exercises.__file__).resolve().parent / ".progress.json"
+    """Where grading notes the exercises the learner has passed: beside the learner's package
+    (found by its place in the course, not imported: the reference never imports the learner's code)."""
+    return ROOT / "exercises" / ".progress.json"
 
 
 def passed_exercises() -> set[str]:
@@ -152,7 +154,7 @@ def live_world(n: int, worlds: dict | None = None):
     alive ({n: World}), else a new one, closed on exit (what a recording run uses)."""
     from contextlib import nullcontext
 
-    from .launch import World
+    from ..launch import World
     if worlds and n in worlds:
         return nullcontext(worlds[n])
     if _POOL is not None:                      # record_all: one world per size for every recording

@@ -21,7 +21,7 @@ GShard (Lepikhin et al., arXiv:2006.16668)
 """
 from __future__ import annotations
 
-from .planner import GB, Cluster, Composition, Model
+from .model import GB, Cluster, Composition, Model
 
 __all__ = ["LLAMA3_405B", "LLAMA3_70B", "LLAMA3_405B_LONG", "GSHARD_600B", "H100_16K", "H100_8K", "TPU_V3_2048",
            "LLAMA3_405B_8K_PLAN", "LLAMA3_405B_16K_PLAN", "LLAMA3_405B_LONG_PLAN", "GSHARD_PLAN"]

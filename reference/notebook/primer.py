@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import collectives, comm
+from .. import collectives, comm
 from .recorded import live_world, recordable
 
 
@@ -45,11 +45,6 @@ def ring_all_reduce(numel: int, impl: str = "reference.collectives") -> torch.Te
     return fn(x)
 
 
-def library_all_reduce(numel: int) -> torch.Tensor:
-    x = torch.arange(numel, dtype=torch.float32) * (dist.get_rank() + 1)
-    return comm.all_reduce(x)
-
-
 def ring_all_gather(numel: int) -> torch.Tensor:
     r, n = dist.get_rank(), dist.get_world_size()
     full = torch.arange(numel, dtype=torch.float32)
@@ -84,7 +79,7 @@ def gather_to_one_all_reduce(numel: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# The notebook's demos: recorded from the reference for the student release (reference.recorded)
+# The notebook's demos: recorded from the reference for the student release (reference.notebook.recorded)
 
 
 @recordable("00.ring_all_reduce", needs=("0.1",), ignore=("worlds",))

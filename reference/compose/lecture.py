@@ -1,48 +1,15 @@
-"""Lecture 5c — rank functions the notebook and the tests run on a world (spawned ranks cannot
-pickle functions defined in a notebook cell)."""
+"""The lecture 5c notebook's runs (recorded for the student release, see ``reference.notebook.recorded``): the
+tiny GPT's curves on one process, the composed runs in 3D and 4D on 8 ranks beside one process, and
+the planner against a measured run.  Their rank functions are in :mod:`.workers`.
+"""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from . import comm
-from .mesh import RankGrid
-from .recorded import recordable
+from ..mesh import RankGrid
+from ..notebook.recorded import recordable
 
-__all__ = ["group_sums", "device_mesh_groups", "tiny_gpt_curves", "composed_runs", "planner_vs_run", "COMPOSED_NEEDS"]
-
-
-def group_sums(grids: list[dict], axes: list[str]) -> list[dict]:
-    """For each grid (a dict of sizes), all-reduce 2**rank over ``grid.group(axis)`` for every axis.
-
-    The sum's set bits are exactly the ranks that took part: ``bits == Σ 2**q for q in
-    grid.ranks(axis)`` proves the process group and the arithmetic agree.  Also returns the
-    members torch reports for the group and whether a second ``group(axis)`` call hit the cache.
-    """
-    r = dist.get_rank()
-    out = []
-    for sizes in grids:
-        grid = RankGrid(dist.get_world_size(), **sizes)
-        res = {}
-        for axis in axes:
-            g = grid.group(axis)
-            t = torch.tensor([2 ** r], dtype=torch.int64)
-            comm.all_reduce(t, group=g, what=f"grid_{axis}")
-            members = sorted(dist.get_global_rank(g, i) for i in range(dist.get_world_size(g)))
-            res[axis] = dict(bits=int(t.item()), members=members, cached=grid.group(axis) is g)
-        out.append(res)
-    return out
-
-
-def device_mesh_groups(sizes: dict) -> dict[str, list[int]]:
-    """This rank's groups in PyTorch's ``DeviceMesh`` over dims (pp, dp, cp, tp) — torchtitan's layout.
-
-    The production peer of :class:`RankGrid`'s dense grid: the same sizes must give the same groups.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    names = ("pp", "dp", "cp", "tp")
-    mesh = init_device_mesh("cpu", tuple(sizes.get(n, 1) for n in names), mesh_dim_names=names)
-    return {n: sorted(dist.get_process_group_ranks(mesh.get_group(n))) for n in names}
+__all__ = ["tiny_gpt_curves", "composed_runs", "planner_vs_run", "COMPOSED_NEEDS"]
 
 
 @recordable("05c.tiny_gpt_curves", needs=("5b.1", "5b.2"))
@@ -54,7 +21,7 @@ def tiny_gpt_curves(steps: int = 40, lr: float = 1e-2, d_model: int = 32, heads:
     student release, so this demo is recordable: it replays the reference's curves until 5b.1 and
     5b.2 pass.
     """
-    from .gpt import train_single
+    from ..gpt import train_single
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -65,14 +32,12 @@ def tiny_gpt_curves(steps: int = 40, lr: float = 1e-2, d_model: int = 32, heads:
         torch.set_num_threads(old)
 
 
-# ----------------------------------------------------------------------------------------------
-# Composed training: the tiny GPT on 8 ranks, 3D and 4D, against one process
-
 # Every graded function a composed step runs through (the release replays the recording until
 # they all pass): tensor layers, the pipeline step, ring attention, the MoE layer and its
 # gradient sync, the grid, the composed gradient sync and the byte estimate.
 COMPOSED_NEEDS = ("4.1", "4.2", "4.3", "4.4", "4.5", "5a.1", "5a.2", "5a.3", "5b.1", "5b.2", "5b.3", "5b.4",
                   "5c.1", "5c.2", "5c.3")
+
 
 RUNS = {
     "3D": dict(sizes={"dp": 2, "tp": 2, "pp": 2}, moe=False),
@@ -81,11 +46,11 @@ RUNS = {
 
 
 @recordable("05c.composed_runs", needs=COMPOSED_NEEDS)
-def composed_runs(steps: int = 12, microbatches: int = 2, batch_size: int = 4, lr: float = 1e-2, layers: int = 4,
+def composed_runs(steps: int = 12, num_microbatches: int = 2, batch_size: int = 4, lr: float = 1e-2, layers: int = 4,
                   d_model: int = 32, heads: int = 4, d_ff: int = 64, seq_len: int = 16, num_experts: int = 4,
                   world=None) -> dict:
     """Train the tiny GPT (float64) for ``steps`` steps on 8 ranks twice — 3D dp×tp×pp = 2×2×2 (dense)
-    and 4D dp×tp×pp×ep = 2×2×2×2 (MoE blocks) — with 1F1B over ``microbatches``, and on one process.
+    and 4D dp×tp×pp×ep = 2×2×2×2 (MoE blocks) — with 1F1B over ``num_microbatches``, and on one process.
 
     Returns per run: "losses" (the grid's, equal on every rank), "single" (train_single's with the
     same micro-batching), "max_diff", "seconds", "sizes", and per rank "measured" (wire bytes per
@@ -94,9 +59,10 @@ def composed_runs(steps: int = 12, microbatches: int = 2, batch_size: int = 4, l
     """
     import time
 
-    from .compose import expected_bytes, measured_bytes, workers
-    from .gpt import GPTConfig, corpus, encode, train_single
-    from .recorded import live_world
+    from ..gpt import GPTConfig, corpus, encode, train_single
+    from ..notebook.recorded import live_world
+    from . import workers
+    from .train import expected_bytes, measured_bytes
     base = dict(layers=layers, d_model=d_model, heads=heads, d_ff=d_ff, seq_len=seq_len)
     vocab = len(encode(corpus())[1])
     out = {}
@@ -106,10 +72,10 @@ def composed_runs(steps: int = 12, microbatches: int = 2, batch_size: int = 4, l
             sizes = run["sizes"]
             t0 = time.perf_counter()
             res = w.run(workers.train_worker, sizes, steps, batch_size=batch_size, lr=lr, params="none",
-                        num_microbatches=microbatches, **config)
+                        num_microbatches=num_microbatches, **config)
             seconds = time.perf_counter() - t0
             losses = res.values[0]["losses"]
-            single = train_single(steps, batch_size=batch_size, lr=lr, microbatches=microbatches,
+            single = train_single(steps, batch_size=batch_size, lr=lr, num_microbatches=num_microbatches,
                                   dp=sizes["dp"], **config)
             grid = RankGrid(8, **sizes)
             cfg = GPTConfig(vocab=vocab, **config)
@@ -126,20 +92,22 @@ def composed_runs(steps: int = 12, microbatches: int = 2, batch_size: int = 4, l
 
 
 @recordable("05c.planner_vs_run", needs=COMPOSED_NEEDS)
-def planner_vs_run(dp: int = 2, tp: int = 2, pp: int = 2, microbatches: int = 2, batch_size: int = 4,
+def planner_vs_run(sizes: dict | None = None, num_microbatches: int = 2, batch_size: int = 4,
                    layers: int = 4, d_model: int = 32, heads: int = 4, d_ff: int = 64, seq_len: int = 16,
                    world=None) -> dict:
-    """One measured step of the tiny GPT on dp×tp×pp ranks beside the planner's prediction for
-    each rank's stage: {rank: {"bytes": {axis: (planner, measured)}, "memory": {kind: (planner,
-    measured)}}} (reference.compose.memory.planner_vs_measured), plus "coords"."""
-    from .compose.memory import measure_worker, planner_vs_measured
-    from .recorded import live_world
-    sizes = {"dp": dp, "tp": tp, "pp": pp}
+    """One measured step of the tiny GPT on the grid ``sizes`` (default dp = tp = pp = 2) beside the
+    planner's prediction for each rank's stage: {rank: {"bytes": {axis: (planner, measured)},
+    "memory": {kind: (planner, measured)}}} (reference.compose.memory.planner_vs_measured), plus "coords"."""
+    from ..notebook.recorded import live_world
+    from .memory import measure_worker, planner_vs_measured
+    sizes = dict(sizes or {"dp": 2, "tp": 2, "pp": 2})
     config = dict(layers=layers, d_model=d_model, heads=heads, d_ff=d_ff, seq_len=seq_len)
-    n = dp * tp * pp
+    n = 1
+    for degree in sizes.values():
+        n *= degree
     with live_world(n, {n: world} if world is not None else None) as w:
-        res = w.run(measure_worker, sizes, batch_size=batch_size, num_microbatches=microbatches, **config)
+        res = w.run(measure_worker, sizes, batch_size=batch_size, num_microbatches=num_microbatches, **config)
     return {"coords": [v["coords"] for v in res.values],
             "ranks": {r: planner_vs_measured(res, sizes, rank=r, batch_size=batch_size,
-                                             num_microbatches=microbatches, **config)
+                                             num_microbatches=num_microbatches, **config)
                       for r in range(n)}}

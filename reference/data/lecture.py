@@ -1,0 +1,70 @@
+"""The lecture 3 notebook's runs (recorded for the student release, see ``reference.notebook.recorded``).
+
+    ddp_runs           one DataParallel backward per bucket setting, traced (the timeline widget),
+                       and gradient accumulation with / without no_sync
+    zero_memory        bytes held and bytes sent per step for DDP and ZeRO-1/2/3 at N = 1, 2, 4
+
+Their rank functions (``timeline_run``, ``no_sync_run``, ``zero_run``) are in :mod:`.workers`.
+"""
+from __future__ import annotations
+
+from ..notebook.recorded import live_world, recordable
+from .models import layer_model
+from .workers import no_sync_run, timeline_run, zero_run
+
+__all__ = ["ddp_runs", "zero_memory", "SETTINGS"]
+
+
+def SETTINGS(width: int) -> dict[str, dict]:
+    layer_mb = (width * width + width) * 4 / 2 ** 20
+    return {"one bucket (25 MB)": dict(bucket_cap_mb=25.0, overlap=True),
+            "2 layers per bucket": dict(bucket_cap_mb=2.05 * layer_mb, overlap=True),
+            "1 tensor per bucket": dict(bucket_cap_mb=1e-6, overlap=True),
+            "2 layers per bucket, overlap=False": dict(bucket_cap_mb=2.05 * layer_mb, overlap=False)}
+
+
+@recordable("03.ddp_runs", needs=("3.2",))
+def ddp_runs(world_size: int = 2, layers: int = 6, width: int = 256, rows: int = 256, repeats: int = 2,
+             accum: int = 4, world=None) -> dict:
+    """The DataParallel runs of the notebook, on one world of ``world_size`` ranks.
+
+    "timelines": {setting: {"trace": one traced backward (times from 0, after ``repeats`` − 1
+    warm-ups), "buckets": rank 0's bucket layout}} for each of :func:`SETTINGS`;
+    "no_sync": gradient accumulation over ``accum`` micro-batches with and without ``no_sync``:
+    the gradient all-reduce bytes of rank 0, and the largest parameter difference between the two.
+    """
+    from ..trace import Trace
+    timelines, no_sync = {}, {}
+    with live_world(world_size, {world_size: world} if world is not None else None) as world:
+        for label, kw in SETTINGS(width).items():
+            for _ in range(repeats):
+                res = world.run(timeline_run, layers, width, rows, kw["bucket_cap_mb"], kw["overlap"])
+            keep = Trace(e for e in res.trace if e.op in ("compute", "grad_ready", "backward_start", "backward_end")
+                         or (e.op == "all_reduce" and e.meta.get("what") == "grads"))
+            timelines[label] = {"trace": keep.relative(), "buckets": res.values[0]}
+        params = {}
+        for use in (True, False):
+            res = world.run(no_sync_run, accum, use)
+            no_sync[use] = sum(e.nbytes for e in res.trace.filter("all_reduce", rank=0, what="grads"))
+            params[use] = res.values[0]
+        diff = max(float((params[True][n] - params[False][n]).abs().max()) for n in params[True])
+    return {"timelines": timelines, "no_sync": {"accum": accum, "bytes_with": no_sync[True],
+                                                "bytes_without": no_sync[False], "max_param_diff": diff}}
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory and bytes of DDP and ZeRO-1/2/3, N = 1, 2, 4 in one world of 4 (subgroups of size N)
+
+
+@recordable("03.zero_memory", needs=("3.1", "3.2", "3.3", "3.4"))
+def zero_memory(sizes: tuple = (1, 2, 4), layers: int = 4, width: int = 64, rows: int = 8, world=None) -> dict:
+    """Bytes each rank holds after one step, and sends in it, for DDP and ZeRO-1/2/3 at each N.
+
+    Returns {"psi": trainable elements, "rows": rank 0's rows (method, N, params, grads,
+    optimizer_state, ring_bytes)}.
+    """
+    n = max(sizes)
+    with live_world(n, {n: world} if world is not None else None) as world:
+        res = world.run(zero_run, tuple(sizes), layers, width, rows)
+    psi = sum(p.numel() for p in layer_model(layers, width).parameters())
+    return {"psi": psi, "layers": layers, "rows": res.values[0]}

@@ -1,0 +1,58 @@
+"""The lecture 4a notebook's runs: real runs on a kept-alive world of 4 ranks, cut into
+tensor-parallel groups of ``tp`` ranks, returning plain data.
+
+Each ``@recordable`` function is what a notebook cell calls (in the student release it replays a
+recording until the exercises it needs pass); their rank functions are in :mod:`.workers`.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+from ..notebook.recorded import live_world, recordable
+from .costs import collectives
+from .workers import block_worker, mlp_worker, vocab_worker
+
+WORLD = 4     # ranks the notebook keeps alive; groups of tp = 1, 2 or 4 of them
+
+
+def _world(world):
+    """The caller's kept-alive world, or one of WORLD ranks (shared while a release is recorded)."""
+    return nullcontext(world) if world is not None else live_world(WORLD)
+
+
+@recordable("04a.mlp_run", needs=("4.1", "4.2"), variants=[{"sequence_parallel": True}])
+def mlp_run(tp: int = 2, sequence_parallel: bool = False, S: int = 4, d_model: int = 6, d_ff: int = 8,
+            world=None) -> dict:
+    """A parallel MLP on tp ranks, forward + backward: shapes, rank 0's collectives (in order) and
+    the largest input-gradient error against one process."""
+    with _world(world) as w:
+        res = w.run(mlp_worker, tp, sequence_parallel, S, d_model, d_ff)
+    return {"tp": tp, "sequence_parallel": sequence_parallel, "S": S, "d_model": d_model, "d_ff": d_ff,
+            "collectives": collectives(res.trace, rank=0, W=tp),
+            "max_error": max(v["max_error"] for v in res.values)}
+
+
+@recordable("04a.block_costs", needs=("4.1", "4.2"))
+def block_costs(S: int = 16, B: int = 2, d_model: int = 32, heads: int = 4, world=None) -> dict:
+    """For tp in 1, 2, 4, with and without sequence parallelism: rank 0's collectives for one
+    block's forward + backward, its parameter bytes and the activation bytes autograd saved."""
+    out = {"S": S, "B": B, "d_model": d_model, "heads": heads, "runs": {}}
+    with _world(world) as w:
+        for tp in (1, 2, 4):
+            for sp in (False, True):
+                res = w.run(block_worker, tp, sp, S, B, d_model, heads)
+                out["runs"][(tp, sp)] = {"collectives": [c for c in collectives(res.trace, rank=0, W=tp)
+                                                         if c["operator"] != "sp-grad-sync"],
+                                         **res.values[0]}
+    return out
+
+
+@recordable("04a.vocab_loss", needs=("4.3",))
+def vocab_loss(tp: int = 4, tokens: int = 6, V: int = 32000, scale: float = 30.0, world=None) -> dict:
+    """The loss of ``tokens`` tokens over a vocabulary of V split over tp ranks, logits ×scale:
+    rank 0's collectives and the per-token losses beside F.cross_entropy's."""
+    with _world(world) as w:
+        res = w.run(vocab_worker, tp, tokens, V, scale)
+    return {"tp": tp, "tokens": tokens, "V": V, "loss": res.values[0]["loss"], "want": res.values[0]["want"],
+            "collectives": [{"what": e.meta.get("what"), "nbytes": e.nbytes}
+                            for e in res.trace.filter(op="all_reduce", rank=0)]}
