@@ -2,22 +2,39 @@
 
 Every rank builds the same single-process :class:`reference.gpt.TinyGPT` from the seed and keeps
 its own piece of it (``ParallelGPT(gpt, grid)``).  Nothing here is a new parallel layer: each
-axis is the lecture's own, composed.
+axis is the lecture's own, composed, and ``ParallelGPT.__init__`` applies them one after the
+other, in this order (as picotron's and torchtitan's ``parallelize`` do):
 
     axis  what this rank keeps                               the lecture's layer
     ────  ─────────────────────────────────────────────────  ─────────────────────────────────────
-    tp    my heads of qkv, my rows of fc1 / cols of fc2 and   tensor.ParallelSelfAttention.from_module
-          of proj, my slice of the (padded) vocabulary        tensor.ParallelMLP, VocabParallelEmbedding,
+    pp    blocks of my stage (contiguous, balanced), the      pipeline.balanced_sizes (the executor
+          embeddings on the first, ln_f + head on the last    runs them: compose.train); a MoE layer's
+                                                              aux loss enters backward on its own stage
+                                                              (AuxLossAutoScaler, below)
+    tp    my heads of qkv, my rows of fc1 / cols of fc2 and   tensor.ParallelSelfAttention.from_module,
+          of proj, my slice of the (padded) vocabulary        ParallelMLP, VocabParallelEmbedding,
           (+ sequence_parallel: LayerNorms on S/tp rows)      ColumnParallelLinear, vocab_parallel_cross_entropy
     cp    my two zigzag chunks of the sequence; attention's   sequence.ring_attention, positions
           ``attend`` becomes ring attention over cp
     ep    experts e ∈ [r·E/ep, (r+1)·E/ep) of each MoE layer  moe.ExpertParallelMoE (dropless all-to-all),
-          (each expert itself cut over tp like the MLP)       its experts as tensor.ParallelMLP
-    pp    blocks of my stage (contiguous, balanced), the      pipeline.balanced_sizes (the executor
-          embedding on the first, ln_f + head on the last     runs them: compose.train); a MoE layer's
-                                                              aux loss enters backward on its own stage
-                                                              (AuxLossAutoScaler, below)
+          (each expert itself cut over tp like the MLP)       its experts as tensor.Column/RowParallelLinear
     dp    nothing: a full replica of the above (its rows of the batch come in compose.train)
+
+Each step swaps modules for their parallel versions under the single-process names (the blocks
+are kept by global layer index, the experts by global expert id), and each parallel layer says
+how its parameters are cut (``CUTS``: "column", "row", "qkv", "vocab"; a module without it, such
+as a LayerNorm, holds whole tensors), as Megatron marks its parameters ``tensor_model_parallel``.
+So the shard table is read off the modules (:func:`shard_table`), with no second list of names::
+
+    name (this rank's = the single process's)  module (CUTS)                       Shard
+    ─────────────────────────────────────────  ──────────────────────────────────  ─────────────────────
+    tok_emb.weight                             VocabParallelEmbedding              vocab
+    pos_emb.weight, blocks.3.ln1.weight        Embedding, LayerNorm (none)         replicated
+    blocks.3.attn.qkv.weight, .bias            ColumnParallelLinear (qkv: its own) qkv
+    blocks.3.attn.proj.weight, .bias           RowParallelLinear                   row, replicated
+    blocks.1.mlp.moe.router.weight             Linear (none)                       replicated
+    blocks.1.mlp.moe.experts.5.0.weight        ColumnParallelLinear, under experts column, expert
+    head.weight                                ColumnParallelLinear (vocab: own)   vocab
 
 Activations are (S, B, d), sequence first as in Megatron, so sequence parallelism can cut dim 0.
 
@@ -74,11 +91,11 @@ from ..mesh import RankGrid
 from ..moe import ExpertParallelMoE
 from ..pipeline import balanced_sizes
 from ..sequence import positions, ring_attention
-from ..tensor import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, VocabParallelEmbedding,
-                      vocab_parallel_cross_entropy)
+from ..tensor import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear,
+                      VocabParallelEmbedding, vocab_parallel_cross_entropy)
 
 __all__ = ["check_sizes", "padded_vocab", "ParallelGPT", "ContextParallelAttention", "ExpertParallelMLP",
-           "AuxLossAutoScaler", "full_state_dict", "SIZE_KEYS"]
+           "AuxLossAutoScaler", "Shard", "shard_table", "full_state_dict", "SIZE_KEYS"]
 
 SIZE_KEYS = ("dp", "tp", "pp", "cp", "ep")
 
@@ -144,20 +161,30 @@ def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
 # Layers: the lectures' layers, wired for the grid
 
 
-class ContextParallelAttention(nn.Module):
-    """Causal self-attention over (tp, cp): my heads (tp), my zigzag chunks of the sequence (cp).
+class ComposedBlock(nn.Module):
+    """TinyGPT's pre-LayerNorm block, copied: x + attn(ln1(x)), then + mlp(ln2(x)).  The axes of
+    :class:`ParallelGPT` swap its ``attn`` and ``mlp`` for their parallel versions."""
 
-    qkv and proj are :class:`reference.tensor.ParallelSelfAttention`'s column/row-parallel cuts
-    (TinyGPT's ``Attention`` has the same [q; k; v] layout); the attention in between, TinyGPT's
-    ``attend``, becomes :func:`reference.sequence.ring_attention` over the cp group (one local
-    fused block when cp = 1).  x: (S_l, B, d), or (S_l/tp, B, d) with sequence parallelism.
+    def __init__(self, block):
+        super().__init__()
+        self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
+        self.attn, self.mlp = copy.deepcopy(block.attn), copy.deepcopy(block.mlp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class ContextParallelAttention(nn.Module):
+    """A :class:`reference.tensor.ParallelSelfAttention` (my heads, tp) whose ``attend`` becomes
+    :func:`reference.sequence.ring_attention` over the cp group (my zigzag chunks of the sequence;
+    one local fused block when cp = 1).  It keeps the tp layer's ``qkv`` and ``proj``.
+    x: (S_l, B, d), or (S_l/tp, B, d) with sequence parallelism.
     """
 
-    def __init__(self, attn, tp_group, cp_group, *, sequence_parallel: bool = False, name: str = "attn"):
+    def __init__(self, attn: ParallelSelfAttention, cp_group):
         super().__init__()
-        twin = SimpleNamespace(heads=attn.heads, qkv=attn.qkv, proj=attn.proj, causal=True, dropout_p=0.0)
-        tp_attn = ParallelSelfAttention.from_module(twin, tp_group, sequence_parallel=sequence_parallel, name=name)
-        self.qkv, self.proj, self.local_heads = tp_attn.qkv, tp_attn.proj, tp_attn.local_heads
+        self.qkv, self.proj, self.local_heads = attn.qkv, attn.proj, attn.local_heads
         self.cp_group = cp_group
         self.layout = "zigzag" if comm.world_size(cp_group) > 1 else "contiguous"
 
@@ -188,10 +215,11 @@ class AuxLossAutoScaler(torch.autograd.Function):
 
 class ExpertParallelMLP(nn.Module):
     """TinyGPT's MoE layer over (ep, tp): :class:`reference.moe.ExpertParallelMoE` over the ep
-    group (dropless), each local expert cut over tp as a :class:`reference.tensor.ParallelMLP`
-    (Megatron's default: expert tensor parallel size = tp).  The load-balancing loss is that of
-    all the dp_cp ranks' tokens (``aux_group`` = dp_cp), as one process computes it over all B·S
-    tokens (of one micro-batch with pp > 1).
+    group (dropless), each local expert cut over tp as the dense MLP is (Megatron's default:
+    expert tensor parallel size = tp).  The experts are kept by global id, each ``(fc1, GELU,
+    fc2)`` as in TinyGPT, so ``moe.experts.5.0.weight`` is the single-process name.  The load-
+    balancing loss is that of all the dp_cp ranks' tokens (``aux_group`` = dp_cp), as one process
+    computes it over all B·S tokens (of one micro-batch with pp > 1).
 
     ``aux_scale`` None (pp = 1): ``aux_loss`` is left for ``loss_fn``.  A number (pp > 1): the
     output goes through :class:`AuxLossAutoScaler` with that ∂L/∂aux, and ``aux_weighted``
@@ -201,10 +229,12 @@ class ExpertParallelMLP(nn.Module):
     def __init__(self, moe_mlp: MoEMLP, tp_group, ep_group, aux_group, *, name: str = "mlp"):
         super().__init__()
         self.moe = ExpertParallelMoE.from_layer(moe_mlp.moe, ep_group, aux_group=aux_group)
-        first = self.moe.first_expert
-        self.moe.experts = nn.ModuleList(
-            ParallelMLP.from_module(SimpleNamespace(fc1=e[0], fc2=e[2]), tp_group, name=f"{name}.experts.{first + j}")
-            for j, e in enumerate(self.moe.experts))
+        ids = range(self.moe.first_expert, self.moe.first_expert + len(self.moe.experts))
+        self.moe.experts = nn.ModuleDict({
+            str(e): nn.Sequential(ColumnParallelLinear.from_linear(fc1, tp_group, name=f"{name}.moe.experts.{e}.0"),
+                                  nn.GELU(),
+                                  RowParallelLinear.from_linear(fc2, tp_group, name=f"{name}.moe.experts.{e}.2"))
+            for e, (fc1, _, fc2) in zip(ids, self.moe.experts)})
         self.aux_loss = None
         self.aux_scale: float | None = None
         self.aux_weighted = 0.0
@@ -217,25 +247,6 @@ class ExpertParallelMLP(nn.Module):
             y = AuxLossAutoScaler.apply(y, self.aux_loss, self.aux_scale)
             self.aux_weighted += self.aux_scale * float(self.aux_loss.detach())
         return y.view(S, B, d)
-
-
-class ComposedBlock(nn.Module):
-    """Pre-LayerNorm block: x + attn(ln1(x)), then + mlp(ln2(x)); mlp dense or MoE."""
-
-    def __init__(self, block, index: int, groups: dict, sequence_parallel: bool):
-        super().__init__()
-        tp, name = groups["tp"], f"blocks.{index}"
-        self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
-        self.attn = ContextParallelAttention(block.attn, tp, groups["cp"], sequence_parallel=sequence_parallel,
-                                             name=f"{name}.attn")
-        if isinstance(block.mlp, MLP):
-            self.mlp = ParallelMLP.from_module(block.mlp, tp, sequence_parallel=sequence_parallel, name=f"{name}.mlp")
-        else:
-            self.mlp = ExpertParallelMLP(block.mlp, tp, groups["ep"], groups["dp_cp"], name=f"{name}.mlp")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,6 +266,22 @@ class Shard:
     expert: bool = False
 
 
+def shard_table(model: nn.Module) -> dict[str, Shard]:
+    """Every parameter of ``model`` by name → its :class:`Shard`, read off the modules: the kind is
+    the ``CUTS`` entry of the module that holds it ("replicated" if that module has no ``CUTS``:
+    LayerNorms, pos_emb, the router), expert if it lies under an expert-parallel layer's ``experts``."""
+    experts = {id(p) for m in model.modules() if isinstance(m, ExpertParallelMoE) for p in m.experts.parameters()}
+    table = {}
+    for prefix, module in model.named_modules():
+        cuts = getattr(module, "CUTS", None)
+        for name, p in module.named_parameters(recurse=False):
+            if cuts is not None and name not in cuts:           # or its gradient would be synchronised wrongly
+                raise AssertionError(f"{prefix}: {type(module).__name__}.CUTS does not say how {name!r} is cut")
+            kind = "replicated" if cuts is None else cuts[name]
+            table[f"{prefix}.{name}" if prefix else name] = Shard(p, kind, id(p) in experts)
+    return table
+
+
 class ParallelGPT(nn.Module):
     """This rank's piece of ``gpt`` on ``grid``: one pipeline stage, cut over tp, cp and ep.
 
@@ -265,75 +292,76 @@ class ParallelGPT(nn.Module):
     entropy alone, the aux losses go through :class:`AuxLossAutoScaler`); with one stage
     ``loss(idx, targets)`` chains both.  ``shards`` maps every single-process parameter name this
     rank holds to its :class:`Shard`.  Must be built on every rank (it creates the grid's groups).
+
+    Built one axis at a time: the pp step copies TinyGPT's modules of this stage, under their own
+    names; each later step swaps some of them for their parallel versions under the same names.
     """
 
     def __init__(self, gpt: TinyGPT, grid: RankGrid, *, sequence_parallel: bool = False):
         super().__init__()
         cfg = self.cfg = gpt.cfg
+        me = self.coords = grid.coords()
         self.grid = grid
         axes = ["tp", "cp", "dp_cp", "pp"] + (["ep", "edp"] if cfg.num_experts else [])
         self.groups = {axis: grid.group(axis) for axis in axes}       # every rank, same order
-        me = self.coords = grid.coords()
-        self.sequence_parallel = sequence_parallel and grid.tp > 1
-        self.vocab, self.vocab_padded = cfg.vocab, padded_vocab(cfg.vocab, grid.tp)
+        tp = self.groups["tp"]
+        sp = self.sequence_parallel = sequence_parallel and grid.tp > 1
+
+        # pp: the blocks of my stage (contiguous, balanced), the embeddings on the first, ln_f + head on the last
         sizes = balanced_sizes(cfg.layers, grid.pp)
         self.layer_ids = list(range(sum(sizes[:me["pp"]]), sum(sizes[:me["pp"] + 1])))
         self.is_first, self.is_last = me["pp"] == 0, me["pp"] == grid.pp - 1
-        self.blocks = nn.ModuleList(ComposedBlock(gpt.blocks[i], i, self.groups, self.sequence_parallel)
-                                    for i in self.layer_ids)
-        self.moe_layers = [b.mlp for b in self.blocks if isinstance(b.mlp, ExpertParallelMLP)]   # this stage's
-        self.num_moe = sum(cfg.is_moe(i) for i in range(cfg.layers))                          # the whole model's
-        self.scale_aux_losses(1)
-        tp, sp, Vp = self.groups["tp"], self.sequence_parallel, self.vocab_padded
-        self.shards: dict[str, Shard] = {}
         if self.is_first:
-            emb = nn.Embedding.from_pretrained(_pad_rows(gpt.tok_emb.weight, Vp), freeze=False)
-            self.tok_emb = VocabParallelEmbedding.from_module(emb, tp, sequence_parallel=sp)
-            self.pos_emb = copy.deepcopy(gpt.pos_emb)
-            pos = positions(cfg.seq_len, me["cp"], grid.cp, "zigzag" if grid.cp > 1 else "contiguous")
-            if sp:                                     # my rows of my cp rank's tokens
-                n = len(pos) // grid.tp
-                pos = pos[me["tp"] * n:(me["tp"] + 1) * n]
-            self.register_buffer("positions", pos, persistent=False)
-            self.shards["tok_emb.weight"] = Shard(self.tok_emb.weight, "vocab")
-            self.shards["pos_emb.weight"] = Shard(self.pos_emb.weight, "replicated")
-        for i, block in zip(self.layer_ids, self.blocks):
-            self._register_block(i, block)
+            self.tok_emb, self.pos_emb = copy.deepcopy(gpt.tok_emb), copy.deepcopy(gpt.pos_emb)
+        self.blocks = nn.ModuleDict({str(i): ComposedBlock(gpt.blocks[i]) for i in self.layer_ids})
         if self.is_last:
-            self.ln_f = copy.deepcopy(gpt.ln_f)
-            head = SimpleNamespace(weight=_pad_rows(gpt.head.weight, Vp), bias=None, in_features=cfg.d_model,
+            self.ln_f, self.head = copy.deepcopy(gpt.ln_f), copy.deepcopy(gpt.head)
+
+        # tp (+ sequence parallelism): cut every linear, the embedding and the head
+        self.vocab, Vp = cfg.vocab, padded_vocab(cfg.vocab, grid.tp)
+        self.vocab_padded = Vp
+        for i, block in self.blocks.items():
+            attn = SimpleNamespace(heads=block.attn.heads, qkv=block.attn.qkv, proj=block.attn.proj, causal=True,
+                                   dropout_p=0.0)                 # TinyGPT's Attention, as tensor's SelfAttention
+            block.attn = ParallelSelfAttention.from_module(attn, tp, sequence_parallel=sp, name=f"blocks.{i}.attn")
+            if isinstance(block.mlp, MLP):                        # (a MoE layer's experts: the ep step)
+                block.mlp = ParallelMLP.from_module(block.mlp, tp, sequence_parallel=sp, name=f"blocks.{i}.mlp")
+        if self.is_first:                                         # vocabulary padded with zero rows to Vp
+            emb = nn.Embedding.from_pretrained(_pad_rows(self.tok_emb.weight, Vp), freeze=False)
+            self.tok_emb = VocabParallelEmbedding.from_module(emb, tp, sequence_parallel=sp)
+        if self.is_last:
+            head = SimpleNamespace(weight=_pad_rows(self.head.weight, Vp), bias=None, in_features=cfg.d_model,
                                    out_features=Vp)
             self.head = ColumnParallelLinear.from_linear(head, tp, sequence_parallel=sp, name="head")
+            self.head.CUTS = {"weight": "vocab"}                  # column-parallel over the padded vocabulary
             first_id = me["tp"] * (Vp // grid.tp)
             self.register_buffer("padding", torch.arange(first_id, first_id + Vp // grid.tp) >= cfg.vocab,
                                  persistent=False)
             self.has_padding = bool(self.padding.any())
-            self.shards.update({"ln_f.weight": Shard(self.ln_f.weight, "replicated"),
-                                "ln_f.bias": Shard(self.ln_f.bias, "replicated"),
-                                "head.weight": Shard(self.head.weight, "vocab")})
-        if {id(p) for p in self.parameters()} != {id(s.param) for s in self.shards.values()}:
-            raise AssertionError("every parameter needs a Shard entry, or its gradient would never be synchronised")
 
-    def _register_block(self, i: int, b: ComposedBlock) -> None:
-        p, s = f"blocks.{i}.", self.shards
-        for ln in ("ln1", "ln2"):
-            s[p + ln + ".weight"] = Shard(getattr(b, ln).weight, "replicated")
-            s[p + ln + ".bias"] = Shard(getattr(b, ln).bias, "replicated")
-        s[p + "attn.qkv.weight"], s[p + "attn.qkv.bias"] = Shard(b.attn.qkv.weight, "qkv"), Shard(b.attn.qkv.bias, "qkv")
-        s[p + "attn.proj.weight"] = Shard(b.attn.proj.weight, "row")
-        s[p + "attn.proj.bias"] = Shard(b.attn.proj.bias, "replicated")
-        if isinstance(b.mlp, ParallelMLP):
-            mlps = [(p + "mlp.", b.mlp, False)]
-        else:
-            s[p + "mlp.moe.router.weight"] = Shard(b.mlp.moe.router.weight, "replicated")
-            first = b.mlp.moe.first_expert
-            mlps = [(f"{p}mlp.moe.experts.{first + j}.", e, True) for j, e in enumerate(b.mlp.moe.experts)]
-        for prefix, m, expert in mlps:
-            fc1, fc2 = ("fc1", "fc2") if not expert else ("0", "2")
-            s[f"{prefix}{fc1}.weight"] = Shard(m.fc1.weight, "column", expert)
-            s[f"{prefix}{fc1}.bias"] = Shard(m.fc1.bias, "column", expert)
-            s[f"{prefix}{fc2}.weight"] = Shard(m.fc2.weight, "row", expert)
-            s[f"{prefix}{fc2}.bias"] = Shard(m.fc2.bias, "replicated", expert)
+        # cp: attention over my zigzag chunks becomes ring attention; the embedding adds their positions
+        for block in self.blocks.values():
+            block.attn = ContextParallelAttention(block.attn, self.groups["cp"])
+        if self.is_first:
+            pos = positions(cfg.seq_len, me["cp"], grid.cp, "zigzag" if grid.cp > 1 else "contiguous")
+            if sp:                                                # my rows of my cp rank's tokens
+                n = len(pos) // grid.tp
+                pos = pos[me["tp"] * n:(me["tp"] + 1) * n]
+            self.register_buffer("positions", pos, persistent=False)
+
+        # ep: my experts of each MoE layer (dropless all-to-all), each expert cut over tp like the MLP
+        for i, block in self.blocks.items():
+            if isinstance(block.mlp, MoEMLP):
+                block.mlp = ExpertParallelMLP(block.mlp, tp, self.groups["ep"], self.groups["dp_cp"],
+                                              name=f"blocks.{i}.mlp")
+        self.moe_layers = [b.mlp for b in self.blocks.values() if isinstance(b.mlp, ExpertParallelMLP)]  # my stage's
+        self.num_moe = sum(cfg.is_moe(i) for i in range(cfg.layers))                                 # the model's
+        self.scale_aux_losses(1)
+
+        # dp: nothing (a full replica of the above; my rows of the batch come in compose.train)
+
+        # Every parameter, by its single-process name (the module names above are those), and its cut.
+        self.shards: dict[str, Shard] = shard_table(self)
 
     # -- parameters by the group their gradient is synchronised over (see the module docstring) --
 
@@ -364,7 +392,7 @@ class ParallelGPT(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             x = self.embed(x)
-        for block in self.blocks:
+        for block in self.blocks.values():
             x = block(x)
         return self.logits(x) if self.is_last else x
 

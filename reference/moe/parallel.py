@@ -259,14 +259,14 @@ class ExpertParallelMoE(nn.Module):
     give the router α/|G| of the aux gradient.  So the aux loss returned here has the group's value
     and |G| times the local gradient, the gradient of this rank's share s_r of a loss that is a
     mean over ranks, aux = (1/|G|) Σ_r s_r.  One step then gives the single-process gradient of
-    mean task + α·aux + β·z over the whole batch (``tests/test_moe_parallel.py``).
+    mean task + α·aux + β·z over the whole batch (``tests/moe/test_parallel.py``).
 
     In capacity mode every rank must pass the same T (GShard's equal-sized groups); dropless mode
     takes any T per rank.  Inputs are checked with one small all-reduce first: a bad shape or an
     uneven T on any rank raises ValueError on every rank.
     """
 
-    def __init__(self, router: nn.Linear, experts: nn.ModuleList, *, num_experts: int, k: int,
+    def __init__(self, router: nn.Linear, experts: nn.ModuleList | nn.ModuleDict, *, num_experts: int, k: int,
                  capacity_factor: float, dropless: bool, group=None, jitter: float = 0.0,
                  random_second_expert: bool = False, aux_group="ep"):
         super().__init__()
@@ -277,7 +277,7 @@ class ExpertParallelMoE(nn.Module):
         self.d_model = router.in_features
 
     @classmethod
-    def from_layer(cls, layer: MoELayer, group=None, aux_group="ep") -> "ExpertParallelMoE":
+    def from_layer(cls, layer: MoELayer, group=None, aux_group="ep") -> ExpertParallelMoE:
         """Keep the router (copied) and experts ``[r·E/W, (r+1)·E/W)`` (copied) of ``layer``."""
         W, r, E = comm.world_size(group), comm.rank(group), layer.num_experts
         if E % W:
@@ -297,6 +297,12 @@ class ExpertParallelMoE(nn.Module):
         group = _world_if_none(self.group if isinstance(self.aux_group, str) else self.aux_group)
         aux = load_balancing_loss(probs, expert_index, self.num_experts, group=group)
         return mean_share(aux, comm.world_size(group) if dist.is_initialized() else 1)
+
+    def local_experts(self) -> list[nn.Module]:
+        """This rank's experts in order: ``experts`` is a ModuleList, or a ModuleDict keyed by global
+        expert id (so that the parameter names are the single-process layer's, as reference.compose
+        keeps them)."""
+        return list(self.experts.values() if isinstance(self.experts, nn.ModuleDict) else self.experts)
 
     @property
     def first_expert(self) -> int:
@@ -338,7 +344,7 @@ class ExpertParallelMoE(nn.Module):
         E_local, WC, d = x_disp.shape
         rows = _filled_rows(filled, WC // filled.shape[0])
         parts = x_disp.reshape(E_local * WC, d).index_select(0, rows).split(filled.sum(0).tolist())
-        out = torch.cat([expert(part) for expert, part in zip(self.experts, parts)])
+        out = torch.cat([expert(part) for expert, part in zip(self.local_experts(), parts)])
         return x_disp.new_zeros(E_local * WC, d).index_copy(0, rows, out).view(E_local, WC, d)
 
     def _run_experts_dropless(self, x_recv: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
@@ -354,7 +360,7 @@ class ExpertParallelMoE(nn.Module):
         row_expert = torch.repeat_interleave(local_expert, recv_counts.flatten())    # (N,)
         perm = torch.argsort(row_expert, stable=True)                                # rows, expert-major
         parts = x_recv.index_select(0, perm).split(recv_counts.sum(0).tolist())
-        out_sorted = torch.cat([expert(part) for expert, part in zip(self.experts, parts)])
+        out_sorted = torch.cat([expert(part) for expert, part in zip(self.local_experts(), parts)])
         return out_sorted.index_select(0, torch.argsort(perm))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:

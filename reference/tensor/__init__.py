@@ -7,8 +7,8 @@
               sync_sequence_parallel_grads
     vocab     VocabParallelEmbedding, vocab_parallel_cross_entropy
     costs     bytes on the wire per collective, counted from a trace
-    workers   rank functions the tests, the grader and benchmarks/tensor_parallel.py run
-    demos     the notebook's recorded demos
+    workers   rank functions: the tests, the grader, benchmarks/tensor_parallel.py and the notebook run them
+    lecture   the notebook's recorded runs
 
 Read them in that order.
 """

@@ -180,6 +180,7 @@ class ParallelSelfAttention(nn.Module):
             full.weight.copy_(attn.qkv.weight.view(3, W, d // W, d).transpose(0, 1).reshape(3 * d, d))
             full.bias.copy_(attn.qkv.bias.view(3, W, d // W).transpose(0, 1).reshape(3 * d))
         qkv = ColumnParallelLinear.from_linear(full, group, sequence_parallel=sequence_parallel, name=f"{name}.qkv")
+        qkv.CUTS = {"weight": "qkv", "bias": "qkv"}        # column-parallel, rows [q_r; k_r; v_r] per rank
         proj = RowParallelLinear.from_linear(attn.proj, group, sequence_parallel=sequence_parallel, name=f"{name}.proj")
         return cls(qkv, proj, H, causal=attn.causal, dropout_p=attn.dropout_p, group=group, name=name)
 
@@ -204,7 +205,7 @@ class ParallelBlock(nn.Module):
         self.dropout_p, self.seed = block.dropout_p, 0
 
     @classmethod
-    def from_module(cls, block: Block, group=None, *, sequence_parallel: bool = False) -> "ParallelBlock":
+    def from_module(cls, block: Block, group=None, *, sequence_parallel: bool = False) -> ParallelBlock:
         return cls(block, group, sequence_parallel=sequence_parallel)
 
     def _drop(self, x, seed):

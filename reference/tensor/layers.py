@@ -20,6 +20,10 @@ one backward (f, before the column layer).
     column_parallel_linear, row_parallel_linear     the functional forms        (exercise 4.2)
     linear_shard                                    this rank's slice of an nn.Linear (exercise 4.2)
     ColumnParallelLinear, RowParallelLinear         modules with ``from_linear``
+
+Each module says how its parameters are cut (``CUTS``, as Megatron marks a parameter
+``tensor_model_parallel``): "column" (rows of the weight and the bias), "row" (columns of the
+weight; the bias is "replicated").  :mod:`reference.compose` builds its shard table from them.
 """
 from __future__ import annotations
 
@@ -103,13 +107,18 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 class _ParallelLinear(nn.Module):
-    STYLE = ""
+    """This rank's shard of an ``nn.Linear``: :func:`linear_shard` of ``linear`` (``from_linear``),
+    or of a new ``nn.Linear(in_features, out_features)`` drawn from the same torch seed on every rank."""
+
+    STYLE = ""    # "column" | "row": the dimension of the weight that linear_shard cuts
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group=None,
-                 sequence_parallel: bool = False, dtype: torch.dtype | None = None, name: str = ""):
+                 sequence_parallel: bool = False, dtype: torch.dtype | None = None, name: str = "",
+                 linear: nn.Linear | None = None):
         super().__init__()
-        full = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)  # same torch seed on every rank
-        w, b = linear_shard(full.weight, full.bias, self.STYLE, group)
+        if linear is None:
+            linear = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)  # same torch seed on every rank
+        w, b = linear_shard(linear.weight, linear.bias, self.STYLE, group)
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel, self.name = group, sequence_parallel, name
         self.weight = nn.Parameter(w)
@@ -117,17 +126,10 @@ class _ParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **kwargs):
-        """This rank's shard of a full ``nn.Linear`` (the same module on every rank)."""
-        m = cls.__new__(cls)
-        nn.Module.__init__(m)
-        w, b = linear_shard(linear.weight, linear.bias, cls.STYLE, group)
-        m.in_features, m.out_features = linear.in_features, linear.out_features
-        m.group, m.sequence_parallel = group, kwargs.pop("sequence_parallel", False)
-        m.name = kwargs.pop("name", "")
-        m._configure(**kwargs)
-        m.weight = nn.Parameter(w)
-        m.bias = nn.Parameter(b) if b is not None else None
-        return m
+        """This rank's shard of a full ``nn.Linear`` (the same module on every rank), or of anything
+        with its ``weight``, ``bias``, ``in_features``, ``out_features``."""
+        return cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
+                   linear=linear, **kwargs)
 
     def _meta(self):
         return {"layer": self.name} if self.name else {}
@@ -139,14 +141,13 @@ class ColumnParallelLinear(_ParallelLinear):
     with ``sequence_parallel``); output (..., out/W), or replicated with ``gather_output``."""
 
     STYLE = "column"
+    CUTS = {"weight": "column", "bias": "column"}    # how each parameter is cut; an instance may override it
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, gather_output: bool = False,
-                 group=None, sequence_parallel: bool = False, dtype: torch.dtype | None = None, name: str = ""):
+                 group=None, sequence_parallel: bool = False, dtype: torch.dtype | None = None, name: str = "",
+                 linear: nn.Linear | None = None):
         super().__init__(in_features, out_features, bias=bias, group=group, sequence_parallel=sequence_parallel,
-                         dtype=dtype, name=name)
-        self._configure(gather_output=gather_output)
-
-    def _configure(self, gather_output: bool = False):
+                         dtype=dtype, name=name, linear=linear)
         self.gather_output = gather_output
 
     def forward(self, x):
@@ -161,14 +162,13 @@ class RowParallelLinear(_ParallelLinear):
     sequence-sharded with ``sequence_parallel``)."""
 
     STYLE = "row"
+    CUTS = {"weight": "row", "bias": "replicated"}    # the bias is added once, after the sum: whole on every rank
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, input_is_parallel: bool = True,
-                 group=None, sequence_parallel: bool = False, dtype: torch.dtype | None = None, name: str = ""):
+                 group=None, sequence_parallel: bool = False, dtype: torch.dtype | None = None, name: str = "",
+                 linear: nn.Linear | None = None):
         super().__init__(in_features, out_features, bias=bias, group=group, sequence_parallel=sequence_parallel,
-                         dtype=dtype, name=name)
-        self._configure(input_is_parallel=input_is_parallel)
-
-    def _configure(self, input_is_parallel: bool = True):
+                         dtype=dtype, name=name, linear=linear)
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x):

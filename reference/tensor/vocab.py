@@ -46,28 +46,29 @@ def vocab_range(vocab_size: int, group=None) -> tuple[int, int]:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """``nn.Embedding(V, d)`` with rows ``r·V/W … (r+1)·V/W`` on rank r (``.weight``: (V/W, d)).
+    """``nn.Embedding(V, d)`` with rows ``r·V/W … (r+1)·V/W`` on rank r (``.weight``: (V/W, d)):
+    of ``embedding`` (``from_module``), or of a new one drawn from the same torch seed on every rank.
 
     forward(ids (...)) → (..., d) replicated (one all-reduce); with ``sequence_parallel``, ids are
     (S, ...) and the result is this rank's sequence rows (S/W, ..., d) (one reduce-scatter).
     """
 
+    CUTS = {"weight": "vocab"}    # rows of the vocabulary (reference.compose reads it)
+
     def __init__(self, num_embeddings: int, embedding_dim: int, *, group=None, sequence_parallel: bool = False,
-                 dtype=None):
+                 dtype=None, embedding: nn.Embedding | None = None):
         super().__init__()
         self.num_embeddings, self.group, self.sequence_parallel = num_embeddings, group, sequence_parallel
         self.first, self.last = vocab_range(num_embeddings, group)
-        full = nn.Embedding(num_embeddings, embedding_dim, dtype=dtype)   # same torch seed on every rank
-        self.weight = nn.Parameter(full.weight.detach()[self.first:self.last].clone())
+        if embedding is None:
+            embedding = nn.Embedding(num_embeddings, embedding_dim, dtype=dtype)   # same torch seed on every rank
+        self.weight = nn.Parameter(embedding.weight.detach()[self.first:self.last].clone())
 
     @classmethod
     def from_module(cls, emb: nn.Embedding, group=None, *, sequence_parallel: bool = False):
-        m = cls.__new__(cls)
-        nn.Module.__init__(m)
-        m.num_embeddings, m.group, m.sequence_parallel = emb.num_embeddings, group, sequence_parallel
-        m.first, m.last = vocab_range(emb.num_embeddings, group)
-        m.weight = nn.Parameter(emb.weight.detach()[m.first:m.last].clone())
-        return m
+        """This rank's rows of a full ``nn.Embedding`` (the same module on every rank)."""
+        return cls(emb.num_embeddings, emb.embedding_dim, group=group, sequence_parallel=sequence_parallel,
+                   embedding=emb)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int64, torch.int32) or (ids.numel() and (ids.min() < 0 or ids.max() >= self.num_embeddings)):
