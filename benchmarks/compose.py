@@ -10,7 +10,7 @@ On ``--dp`` ranks × 1 thread (gloo), the tiny GPT (``--layers`` blocks of width
 
 Seconds per step = median over the steps after the first two, slowest rank; the two alternate
 ``--rounds`` times in one world and the best median of each is kept.  Printed: both and the ratio
-of speeds (ours ÷ DDP, 1.0 = as fast).  ``tests/test_compose_vs_torch.py`` checks both give the same
+of speeds (ours ÷ DDP, 1.0 = as fast).  ``tests/compose/test_peers.py`` checks both give the same
 losses and parameters.  Figures from a shared 2-core machine are indicative only: quote the ratios.
 """
 from __future__ import annotations

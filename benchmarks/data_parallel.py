@@ -53,7 +53,8 @@ def main() -> None:
     for label, run in runs["timelines"].items():
         s = timeline_stats(run["trace"])[0]
         print(f"  {label:36s} all-reduce hidden behind backward {100 * s['hidden_fraction']:3.0f} %, "
-              f"exposed tail {1e3 * s['exposed']:6.1f} ms, backward {1e3 * (s['backward_end'] - s['backward_start']):6.1f} ms")
+              f"exposed tail {1e3 * s['exposed']:6.1f} ms, "
+              f"backward {1e3 * (s['backward_end'] - s['backward_start']):6.1f} ms")
     print(f"\n(total {time.perf_counter() - t0:.0f} s; a shared, noisy machine: indicative figures, quote ratios)")
 
 

@@ -243,7 +243,8 @@ def main(argv=None):
                 pr = f"{peer_s:7.3f} s  ring/peer {ring / peer_s:5.2f}" if peer_s else "   (peer skipped)"
                 print(f"S={S:5d} {'causal    ' if causal else 'non-causal'} ({layout:10s}) ring {ring:7.3f} s   "
                       f"SDPA {sdpa:7.3f} s  ring/SDPA {ring / sdpa:5.2f}   peer {pr}   "
-                      f"comm alone {alone * 1e3:6.1f} ms ({alone / ring:4.1%} of ring), exposed {exposed * 1e3:6.1f} ms, "
+                      f"comm alone {alone * 1e3:6.1f} ms ({alone / ring:4.1%} of ring), exposed {exposed * 1e3:6.1f} "
+                      f"ms, "
                       f"hidden {hidden:5.1%}",
                       flush=True)
     print("\nnote: 'exposed' includes the last dK/dV hop, which no compute can hide, and on 2 ranks x 2 cores "

@@ -27,9 +27,9 @@ from . import trace
 from .trace import span
 
 __all__ = ["rank", "world_size", "ring_peers", "send", "recv", "exchange", "Pending", "all_reduce",
-           "all_reduce_coalesced", "all_gather", "reduce_scatter", "all_reduce_async", "PendingCollective", "reduce_scatter_tensor",
-           "all_gather_into_tensor", "ring_bytes", "all_to_all_single", "all_to_all", "all_to_all_autograd", "broadcast",
-           "barrier", "new_group", "nbytes"]
+           "all_reduce_coalesced", "all_gather", "reduce_scatter", "all_reduce_async", "PendingCollective",
+           "reduce_scatter_tensor", "all_gather_into_tensor", "ring_bytes", "all_to_all_single", "all_to_all",
+           "all_to_all_autograd", "broadcast", "barrier", "new_group", "nbytes"]
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -255,7 +255,8 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all_rows(grad, recv_splits, send_splits, ctx.group, meta), None, None, None, None
 
 
-def _all_to_all_rows(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, meta: dict) -> torch.Tensor:
+def _all_to_all_rows(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group,
+                     meta: dict) -> torch.Tensor:
     out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
     if not dist.is_initialized():          # one process, nothing to exchange
         return out.copy_(x)

@@ -390,7 +390,8 @@ class World:
             still = [r for r in range(n) if r not in finished]
             for r in still:
                 blocked = self._status[r] if r < len(self._status) else ""
-                where = f"blocked in {blocked}" if blocked else "running (no communication in progress: a loop, or a call the trace does not know)"
+                where = (f"blocked in {blocked}" if blocked else
+                         "running (no communication in progress: a loop, or a call the trace does not know)")
                 failures[r] = RankFailure(r, "timeout", f"rank {r} {where}", blocked_in=blocked)
             self._kill()
             done_ranks = sorted(finished)

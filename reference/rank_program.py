@@ -160,8 +160,8 @@ def _install_status_wrappers(status: _Status) -> None:
         return wrapped
 
     for name in ("send", "recv", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                 "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast", "barrier",
-                 "gather", "scatter", "reduce"):
+                 "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single", "all_to_all",
+                 "all_to_all_single", "broadcast", "barrier", "gather", "scatter", "reduce"):
         if hasattr(dist, name):
             setattr(dist, name, wrap(name, getattr(dist, name)))
 

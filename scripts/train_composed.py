@@ -84,7 +84,8 @@ def main(argv=None) -> None:
                                     num_microbatches=m, zero=args.zero, device=device, **config)
         if dist.get_rank() == 0:
             print(f"{model.grid!r} on {backend}: {dist.get_world_size()} processes", flush=True)
-        report = (lambda step, loss: print(f"step {step} loss {loss:.17g}", flush=True)) if dist.get_rank() == 0 else None
+        report = ((lambda step, loss: print(f"step {step} loss {loss:.17g}", flush=True))
+                  if dist.get_rank() == 0 else None)
         workers.fit(model, data, args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                     schedule=args.schedule, num_microbatches=m, zero=args.zero, on_step=report)
     finally:

@@ -1,6 +1,8 @@
 """Shared test helpers: child-process accounting (no orphans) and kept-alive worlds."""
 from __future__ import annotations
 
+import sys
+
 import functools
 import os
 import time
@@ -101,7 +103,7 @@ def student_release(tmp_path_factory):
     return release.build_student(tmp_path_factory.mktemp("release"), release_ids(), make_zip=True)
 
 
-# -- a browser for tests/test_browser.py ----------------------------------------------------------------
+# -- a browser for tests/notebook/test_browser.py ----------------------------------------------------------------
 
 BROWSER_HOW = ("the browser test needs Debian's Chromium (`sudo apt install chromium`, or "
                "COURSE_CHROMIUM=/path/to/chrome) and playwright (`.venv/bin/pip install playwright`, part of "
@@ -115,7 +117,8 @@ def chromium_path() -> str | None:
 
 def browser_missing() -> list[str]:
     import importlib.util
-    return ([] if importlib.util.find_spec("playwright") else ["playwright"]) + ([] if chromium_path() else ["chromium"])
+    return (([] if importlib.util.find_spec("playwright") else ["playwright"])
+            + ([] if chromium_path() else ["chromium"]))
 
 
 def browser_available() -> bool:
@@ -156,8 +159,8 @@ def grading_cell(source: str) -> bool:
 def pytest_collection_modifyitems(config, items):
     """Under nbval (``make test`` runs the repository's notebooks), a grading cell is not executed: with the
     stubs it only grades them, which ``course_grades("exercises")`` does for every exercise (the same
-    ``session.grade``, hidden checks included; tests/test_grader_reports.py), tests/test_notebook_demos.py checks
-    that every id a notebook grades is registered, and tests/test_browser.py runs a grading cell of every
+    ``session.grade``, hidden checks included; tests/grading/test_report.py), tests/notebook/test_demos.py checks
+    that every id a notebook grades is registered, and tests/notebook/test_browser.py runs a grading cell of every
     release notebook in JupyterLab (``check`` and its summary in a notebook).  The other cells run as before."""
     skip = pytest.mark.skip(reason="grading cell: graded by course_grades('exercises') and in the browser test")
     for item in items:
@@ -165,3 +168,24 @@ def pytest_collection_modifyitems(config, items):
         if type(item).__module__.startswith("nbval") and cell is not None and cell.get("cell_type") == "code" \
                 and grading_cell(cell.get("source", "")):
             item.add_marker(skip)
+
+
+# -- a learner's module with one classic mistake, graded ---------------------------------------------
+
+
+def grade_mutant(tmp_path, monkeypatch, package: str, module: str, source: str, ex_id: str, *, hidden: bool = True):
+    """Grade ``source`` as the learner's ``module`` (in a fresh package ``package`` under ``tmp_path``)
+    on exercise ``ex_id``; return the messages of its failed checks (it must lose points)."""
+    from exercises.grading import session
+    pkg = tmp_path / package
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        (res,) = session.grade(package, [ex_id], include_hidden=hidden)
+    finally:
+        sys.modules.pop(package, None)
+    assert res.score < res.max_score, f"the mutant {package} earned full marks on {ex_id}"
+    return [c.message for c in res.checks if not c.passed]
+

@@ -56,7 +56,8 @@ def test_every_package_the_course_imports_is_declared_for_pip_and_conda():
     env = (ROOT / "environment.yml").read_text()
     for mod in sorted(imported):
         dist = PIP_NAME.get(mod, mod)
-        assert re.search(rf'"{re.escape(dist)}[=<>!~\[ "]', pyproject), f"{dist} (imported as {mod}) missing from pyproject.toml"
+        assert re.search(rf'"{re.escape(dist)}[=<>!~\[ "]', pyproject), \
+            f"{dist} (imported as {mod}) missing from pyproject.toml"
         assert re.search(rf"-\s+{re.escape(dist)}\b", env), f"{dist} (imported as {mod}) missing from environment.yml"
     for needed in ("torch", "jupyterlab", "ipywidgets", "matplotlib", "nbval"):
         assert re.search(rf"-\s+{needed}\b", env), f"environment.yml must list {needed}"

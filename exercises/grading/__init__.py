@@ -1,2 +1,8 @@
-"""The course's grader: see ``core`` (how learner code is run and judged), ``feedback`` (comparisons
-and likely-mistake detectors), ``checks/`` (one module per lecture) and ``report`` (outputs)."""
+"""The course's grader.  Read in this order: ``core`` (the registry, what a check sees), ``sandbox``
+(where learner code runs) and ``runner`` (the process itself), ``session`` (the grading loop),
+``release`` and ``strip`` (the student release, the autograder bundle); ``checks/`` holds one
+package or module per lecture, ``harness/`` what runs beside the learner's code, ``feedback`` the
+comparisons and likely-mistake detectors, ``report`` the outputs, and ``allowed_comm``,
+``shortcuts`` and ``frozen`` what an exercise switches off and freezes before learner code runs.
+
+This file imports nothing: the runner imports ``exercises.grading.runner`` without the rest."""

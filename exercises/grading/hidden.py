@@ -144,8 +144,9 @@ if "5c.2" in EXERCISES:
     @hidden_check("5c.3", "cp = 4 with tp = 2, and 5 stages with 3 data replicas: every rank")
     def _(ctx):
         rng = random.Random(salted_seed(408))
-        cases = [_step_bytes._rank_case(ctx, {"cp": 4, "tp": 2}, r, layers=rng.randint(2, 4), d_model=8 * rng.randint(2, 4),
-                                        heads=4, seq_len=8 * rng.randint(2, 4), batch=2) for r in range(8)]
+        cases = [_step_bytes._rank_case(ctx, {"cp": 4, "tp": 2}, r, layers=rng.randint(2, 4),
+                                        d_model=8 * rng.randint(2, 4), heads=4, seq_len=8 * rng.randint(2, 4),
+                                        batch=2) for r in range(8)]
         cases += [_step_bytes._rank_case(ctx, {"pp": 5, "dp": 3}, r, m=2, layers=rng.randint(5, 8), d_model=16,
                                          heads=2, seq_len=8, batch=6) for r in (0, 4, 7, 14)]
         _step_bytes._check(ctx, cases, "hidden grids")

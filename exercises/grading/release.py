@@ -96,8 +96,8 @@ def build_student(out: Path, ids=None, *, make_zip: bool = True, timeout: float 
         + f"Notebook demos recorded from the reference (reference/_recorded): {demos}.\n")
     if make_zip:
         _zip(dest, out / f"{NAME}.zip", prefix=NAME)
-    print(f"student release: {dest} ({len(stripped)} graded functions delegated, {len(answers)} oracle answers, {demos} recorded demos; "
-          f"reference graded in {graded:.1f} s)")
+    print(f"student release: {dest} ({len(stripped)} graded functions delegated, {len(answers)} oracle answers, "
+          f"{demos} recorded demos; reference graded in {graded:.1f} s)")
     return dest
 
 
@@ -219,8 +219,8 @@ if [ $status -ne 0 ] || [ ! -s "$RESULTS" ]; then
     if [ -s "$RESULTS" ]; then
         :   # the grader wrote its own score and reason (e.g. it cannot run as GRADER_RUN_AS)
     else    # no Python here: nothing a submission planted can be imported
-        printf '{"score": 0, "output": "The autograder itself failed (exit status %s); please tell your teacher.", "tests": []}\n' \
-            "$status" > "$RESULTS"
+        msg="The autograder itself failed (exit status $status); please tell your teacher."
+        printf '{"score": 0, "output": "%s", "tests": []}\n' "$msg" > "$RESULTS"
     fi
 fi
 exit 0
@@ -254,7 +254,8 @@ def collect_submission(submission: Path, dest: Path) -> list[str]:
             text = (ROOT / "exercises" / f"{m}.py").read_bytes()
         (dest / f"{m}.py").write_bytes(text)
     if refused:
-        print(f"refused (a symlink, a special file, too large, or outside the submission): {', '.join(dict.fromkeys(refused))}")
+        print(f"refused (a symlink, a special file, too large, or outside the submission): "
+              f"{', '.join(dict.fromkeys(refused))}")
     print(f"collected {', '.join(found) or 'nothing'} from {submission}; stubs for the rest")
     return found
 

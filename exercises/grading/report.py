@@ -48,11 +48,13 @@ def summary_html(results: Sequence[ExerciseResult]) -> str:
         ok = ex.score == ex.max_score and ex.max_score > 0
         colour = "#2e7d32" if ok else ("#c62828" if ex.score == 0 else "#ef6c00")
         parts.append(f"<div style='margin:4px 0'><b style='color:{colour}'>Exercise {html.escape(ex.exercise.id)} — "
-                     f"{html.escape(ex.exercise.title)}: {_fmt(ex.score)}/{_fmt(ex.max_score)}</b><ul style='margin:2px 0'>")
+                     f"{html.escape(ex.exercise.title)}: {_fmt(ex.score)}/{_fmt(ex.max_score)}</b>"
+                     "<ul style='margin:2px 0'>")
         for c in ex.checks:
             # ✔/✘ are in the common text fonts (DejaVu); emoji fonts are often missing on Linux.
             mark = ("<b style='color:#2e7d32'>✔ PASS</b>" if c.passed else "<b style='color:#c62828'>✘ FAIL</b>")
-            msg = f"<pre style='white-space:pre-wrap;margin:2px 0 6px 0'>{html.escape(c.message)}</pre>" if c.message else ""
+            msg = (f"<pre style='white-space:pre-wrap;margin:2px 0 6px 0'>{html.escape(c.message)}</pre>"
+                   if c.message else "")
             parts.append(f"<li>{mark} {html.escape(c.name)} <span style='color:#777'>"
                          f"({_fmt(c.score)}/{_fmt(c.max_score)}, {c.seconds:.1f} s)</span>{msg}</li>")
         parts.append("</ul></div>")
@@ -101,7 +103,8 @@ def gradescope_doc(results: Sequence[ExerciseResult], *, execution_time: float |
              f"{_fmt(sum(c.score for c in cs))}/{_fmt(sum(c.max_score for c in cs))} on the visible checks"
              for ex, cs in visible]
     doc = {"score": sum(ex.score for ex in results), "tests": tests,
-           "output": "\n".join(([output] if output else []) + lines), "output_format": "text", "test_output_format": "text",
+           "output": "\n".join(([output] if output else []) + lines), "output_format": "text",
+           "test_output_format": "text",
            "stdout_visibility": "hidden",
            "extra_data": {"max_score": sum(ex.max_score for ex in results)}}
     if execution_time is not None:

@@ -244,7 +244,8 @@ def install_guard(pairs) -> None:
             continue
         src = (f"def {code.co_name}(*args, **kwargs):\n"
                f"    import importlib\n"
-               f"    return importlib.import_module('exercises.grading.runner')._delegate({ref!r}, {learner!r}, args, kwargs)\n")
+               f"    return importlib.import_module('exercises.grading.runner')._delegate({ref!r}, {learner!r}, "
+               f"args, kwargs)\n")
         ns: dict = {}
         exec(compile(src, f"<grader: {ref} runs your {learner}>", "exec"), {}, ns)
         fn.__code__ = ns[code.co_name].__code__

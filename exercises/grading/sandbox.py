@@ -99,7 +99,8 @@ class Runner:
             code = self.proc.wait() if self.proc else None
             self.kill()
             if code is not None and code < 0:
-                how = f"was killed by {signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else code}"
+                name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else code
+                how = f"was killed by {name}"
                 raise CheckFailed(f"the process running your code {how} (a crash, e.g. a segfault).") from None
             raise CheckFailed(f"the process running your code exited (exit code {code}) before answering: "
                               "sys.exit / os._exit in your code?") from None
@@ -294,7 +295,8 @@ def preflight(solutions: str) -> None:
         raise SetupError(f"GRADER_RUN_AS={user.pw_name!r} cannot run the grader's Python {sys.executable} "
                          f"({e.strerror}). {fix}") from None
     except subprocess.TimeoutExpired:
-        raise SetupError(f"GRADER_RUN_AS={user.pw_name!r}: importing the course as that user took over 120 s.") from None
+        raise SetupError(f"GRADER_RUN_AS={user.pw_name!r}: importing the course as that user took over "
+                         "120 s.") from None
     try:
         found = json.loads(r.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):

@@ -12,7 +12,8 @@ the learner's module is imported:
   DDP's comm hooks).  FSDP and DTensor torch does import (an optimizer step loads ``torch._dynamo``,
   which loads both), so their entry points are switched off instead: the code of each is swapped
   for a ``RuntimeError`` naming the exercise.  Where the library rests on a C++ class, that class
-  loses its methods — which Python cannot put back (DDP's ``Reducer``).  What these libraries *communicate* through is switched off at the dispatcher by
+  loses its methods — which Python cannot put back (DDP's ``Reducer``).  What these libraries
+  *communicate* through is switched off at the dispatcher by
   the exercise's ``comm`` (:mod:`.allowed_comm`), which Python cannot undo either: DTensor's
   functional collectives, ZeroRedundancyOptimizer's broadcasts.
 * **mirrors** — given functions of the course that compute a graded answer by another road
@@ -50,9 +51,11 @@ class Shortcut:
 CATALOGUE: dict[str, Shortcut] = {
     "dtensor": Shortcut(
         "DTensor (distribute_tensor, parallelize_module, ColwiseParallel, loss_parallel)",
-        entry_points=("torch.distributed.tensor._api:DTensor.from_local", "torch.distributed.tensor._api:DTensor.to_local",
+        entry_points=("torch.distributed.tensor._api:DTensor.from_local",
+                      "torch.distributed.tensor._api:DTensor.to_local",
                       "torch.distributed.tensor._api:DTensor.redistribute",
-                      "torch.distributed.tensor._api:distribute_tensor", "torch.distributed.tensor._api:distribute_module",
+                      "torch.distributed.tensor._api:distribute_tensor",
+                      "torch.distributed.tensor._api:distribute_module",
                       f"{_TP}.api:parallelize_module", f"{_TP}.loss:loss_parallel",
                       f"{_TP}.style:ColwiseParallel.__init__", f"{_TP}.style:RowwiseParallel.__init__",
                       f"{_TP}.style:SequenceParallel.__init__")),

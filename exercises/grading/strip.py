@@ -44,7 +44,8 @@ def copy_tree(paths: list[str], dest: Path, leave_out: set[str] = frozenset()) -
             for f in filenames:
                 p = Path(dirpath) / f
                 r = p.relative_to(ROOT).as_posix()
-                if f in NEVER or f.endswith((".pyc", ".pyo")) or any(r == x or r.startswith(x + "/") for x in leave_out):
+                if f in NEVER or f.endswith((".pyc", ".pyo")) or any(r == x or r.startswith(x + "/")
+                                                                     for x in leave_out):
                     continue
                 (dest / r).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(p, dest / r)

@@ -5,8 +5,9 @@ lecture cuts each parameter, and which group averages its gradient), :mod:`.trai
 data slices, pipeline, gradient synchronisation, Adam; the bytes each axis moves, measured and
 by formula), :mod:`.estimate` (a planner's estimate of one rank's bytes: exercise 5c.3),
 :mod:`.zero` (ZeRO-1/2 over the dp_cp ranks, lecture 3's optimizer), :mod:`.workers` (rank
-functions for ``run_world``), then ``scripts/train_composed.py`` (the same
-under ``torchrun``).  :mod:`.cases` computes what exercises 5c.2 and 5c.3 are checked on.
+functions for ``run_world``), :mod:`.lecture` (the notebook's recorded runs), then
+``scripts/train_composed.py`` (the same under ``torchrun``).  :mod:`.cases` computes what exercises
+5c.2 and 5c.3 are checked on; :mod:`.memory` and :mod:`.peers` hold the run against the planner and DDP.
 
 Every axis is the lecture's own layer, reused: tensor (reference.tensor), context
 (reference.sequence.ring_attention), expert (reference.moe), pipeline (reference.pipeline),
@@ -22,6 +23,6 @@ from .zero import ComposedZero, zero_bytes
 
 __all__ = ["SIZE_KEYS", "ParallelGPT", "ComposedBlock", "ContextParallelAttention", "ExpertParallelMLP",
            "AuxLossAutoScaler", "Shard",
-           "check_sizes", "padded_vocab", "full_state_dict", "local_batch", "sync_gradients", "train_step", "step_bytes",
-           "global_loss", "axis_of", "measured_bytes", "param_counts", "expected_bytes", "build", "fit",
+           "check_sizes", "padded_vocab", "full_state_dict", "local_batch", "sync_gradients", "train_step",
+           "step_bytes", "global_loss", "axis_of", "measured_bytes", "param_counts", "expected_bytes", "build", "fit",
            "train_worker", "size_errors", "Adam", "ComposedZero", "zero_bytes"]

@@ -2,7 +2,7 @@
 
 :func:`ddp_worker` trains the single-process tiny GPT wrapped in ``torch.nn.parallel.DistributedDataParallel``
 (gloo), each rank on its B/dp rows of the same batches, with ``torch.optim.Adam``: production's answer
-to "dp = N".  ``tests/test_compose_vs_torch.py`` checks it gives the composed run's losses and
+to "dp = N".  ``tests/compose/test_peers.py`` checks it gives the composed run's losses and
 parameters; ``benchmarks/compose.py`` times both.
 """
 from __future__ import annotations

@@ -5,8 +5,9 @@
     zero      zero_step (3.3); ZeroOptimizer, stages 1 and 2
     fsdp      gather_full_params, reduce_scatter_grad (3.4); FullyShardedDataParallel (stage 3)
     models    TinyMLP, TinyBlock: small models with a tied and a frozen parameter
-    workers   training runs the tests and the benchmark launch (ours, PyTorch's, one process)
-    demos     the notebook's recorded runs
+    workers   rank functions: training runs for the tests, the grader and the benchmark (ours,
+              PyTorch's, one process), and the rank side of the notebook's runs
+    lecture   the notebook's recorded runs
 
 Read them in that order.
 """

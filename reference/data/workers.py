@@ -17,7 +17,7 @@ from torch import nn
 from .. import comm, trace
 from .models import layer_model, make_model
 
-__all__ = ["batch", "train", "OPTIMIZERS"]
+__all__ = ["batch", "wrap", "train", "OPTIMIZERS"]
 
 OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
               "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.1)),
@@ -38,18 +38,12 @@ def _loss(model, x, y, accum: int):
     return F.mse_loss(model(x), y) / accum
 
 
-def train(method: str, kind: str = "mlp", opt: str = "adamw", *, steps: int = 3, accum: int = 1, scale: float = 1.0,
-          seed: int = 0, world_size: int | None = None, rows: int = 2, bucket_cap_mb: float = 25.0,
-          overlap: bool = True, skip_no_sync: bool = False, dtype=torch.float64, model_kw: dict | None = None,
-          return_grads: bool = True) -> dict:
-    """Train and return {"params": {name: tensor}, "grads": first step's synced grads (by name, where
-    the method keeps whole gradients), "memory": memory_report after the last step (course methods)}."""
-    W = world_size or comm.world_size()
-    r = comm.rank()
-    model = make_model(kind, seed, dtype, **(model_kw or {}))
-    names = [n for n, _ in model.named_parameters()]
-    opt_cls, opt_kw = OPTIMIZERS[opt]
-    wrapped, optimizer, memory = model, None, None
+def wrap(method: str, model: torch.nn.Module, opt_cls, opt_kw: dict, *, bucket_cap_mb: float = 25.0,
+         overlap: bool = True, fsdp_units=()) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``model`` made data parallel by ``method``, and its optimizer: the course's ("ddp", "zero1",
+    "zero2", "fsdp"), PyTorch's ("torch_ddp", "torch_zero1" = DDP + ZeroRedundancyOptimizer,
+    "torch_fsdp" = FSDP2 ``fully_shard`` on each of ``fsdp_units``, then the whole), or "single" (as is)."""
+    wrapped, optimizer = model, None
     if method == "ddp":
         from .ddp import DataParallel
         wrapped = DataParallel(model, bucket_cap_mb=bucket_cap_mb, overlap=overlap)
@@ -70,13 +64,31 @@ def train(method: str, kind: str = "mlp", opt: str = "adamw", *, steps: int = 3,
 
         from torch.distributed.fsdp import fully_shard
         warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-        for child in (["hidden", "proj"] if kind == "mlp" else ["qkv", "attn_out", "mlp"]):
-            fully_shard(getattr(model, child))
+        for unit in fsdp_units:
+            fully_shard(unit)
         fully_shard(model)
     elif method != "single":
         raise ValueError(f"unknown method {method!r}")
     if optimizer is None:
         optimizer = opt_cls([p for p in wrapped.parameters() if p.requires_grad], **opt_kw)
+    return wrapped, optimizer
+
+
+def train(method: str, kind: str = "mlp", opt: str = "adamw", *, steps: int = 3, accum: int = 1, scale: float = 1.0,
+          seed: int = 0, world_size: int | None = None, rows: int = 2, bucket_cap_mb: float = 25.0,
+          overlap: bool = True, skip_no_sync: bool = False, dtype=torch.float64, model_kw: dict | None = None,
+          return_grads: bool = True) -> dict:
+    """Train and return {"params": {name: tensor}, "grads": first step's synced grads (by name, where
+    the method keeps whole gradients), "memory": memory_report after the last step (course methods)}."""
+    W = world_size or comm.world_size()
+    r = comm.rank()
+    model = make_model(kind, seed, dtype, **(model_kw or {}))
+    names = [n for n, _ in model.named_parameters()]
+    opt_cls, opt_kw = OPTIMIZERS[opt]
+    units = [getattr(model, c) for c in (["hidden", "proj"] if kind == "mlp" else ["qkv", "attn_out", "mlp"])]
+    wrapped, optimizer = wrap(method, model, opt_cls, opt_kw, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
+                              fsdp_units=units)
+    memory = None
     grads = {}
     for step in range(steps):
         for m in range(accum):
@@ -146,29 +158,8 @@ def time_steps(method: str, layers: int = 6, width: int = 512, rows: int = 64, s
     import torch.distributed as dist
 
     model = layer_model(layers, width)
-    wrapped, opt = model, None
-    if method == "ddp":
-        from .ddp import DataParallel
-        wrapped = DataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    elif method in ("zero1", "zero2"):
-        from .zero import ZeroOptimizer
-        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=int(method[-1]), lr=1e-3)
-    elif method == "fsdp":
-        from .fsdp import FullyShardedDataParallel
-        wrapped = FullyShardedDataParallel(model)
-    elif method in ("torch_ddp", "torch_zero1"):
-        from torch.nn.parallel import DistributedDataParallel
-        wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-        if method == "torch_zero1":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
-    elif method == "torch_fsdp":
-        from torch.distributed.fsdp import fully_shard
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
-    opt = opt or torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    wrapped, opt = wrap(method, model, torch.optim.AdamW, dict(lr=1e-3), bucket_cap_mb=bucket_cap_mb,
+                        fsdp_units=[m for m in model if isinstance(m, torch.nn.Linear)])
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(comm.rank()))
     times = []
     for i in range(warmup + steps):
@@ -255,7 +246,8 @@ def zero_run(sizes: tuple[int, ...], layers: int, width: int, rows: int) -> list
             mem = (opt.memory_report() if method in ("zero1", "zero2") else wrapped.memory_report(opt))
             step_events = (trace._events or [])[start:]
             sent = sum(e.meta.get("ring_bytes", 0) for e in step_events
-                       if e.op in ("all_reduce", "reduce_scatter", "all_gather") and e.meta.get("what") in ("grads", "params"))
+                       if e.op in ("all_reduce", "reduce_scatter", "all_gather")
+                       and e.meta.get("what") in ("grads", "params"))
             rows_out.append({"method": method, "N": N, **{k: v for k, v in mem.items() if k != "total"},
                              "ring_bytes": sent})
     return rows_out

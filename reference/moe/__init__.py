@@ -6,8 +6,9 @@ tokens, expert parallelism over all-to-all, and gradient synchronisation with da
     parallel   dispatch / combine (padded, GShard-style) and the dropless variable-split path,
                differentiable all-to-all, ExpertParallelMoE
     grad_sync  sync_moe_gradients: expert parallelism combined with data parallelism
-    demos      worker functions for the lecture notebook and the grader's oracles
-    workers    rank functions the tests run (EP vs single process, EP×DP)
+    workers    rank functions (EP vs single process, EP×DP, the notebook's routing and training runs)
+    oracles    the grader's single-process truths
+    lecture    the notebook's recorded runs
 
 Read them in that order.
 """

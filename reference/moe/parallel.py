@@ -162,7 +162,8 @@ def _dropless_order(routing: dict, num_experts: int):
     return t, j, torch.bincount(e, minlength=num_experts)
 
 
-def dispatch_dropless(x: torch.Tensor, routing: dict, num_experts: int, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+def dispatch_dropless(x: torch.Tensor, routing: dict, num_experts: int,
+                      group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Variable-size dispatch: exchange counts, then exactly the assigned tokens.
 
     Returns ``(x_recv, recv_counts)``: x_recv (N, d) with rows grouped by source rank, then local

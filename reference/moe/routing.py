@@ -111,7 +111,8 @@ def gshard_random_routing(routing: dict[str, torch.Tensor], num_experts: int, ca
     """GShard's random second expert (arXiv:2006.16668 §2.2), off by default in the course.
 
     A token's second choice is used only with probability ``min(1, 2 · w_2)`` (w_2 <= 1/2 after
-    renormalisation; fairseq's ``second_expert_policy="random"`` does the same): a token whose router is nearly sure of its first expert rarely pays for a
+    renormalisation; fairseq's ``second_expert_policy="random"`` does the same): a token whose router
+    is nearly sure of its first expert rarely pays for a
     second.  Unused second choices take no slot; the weights are NOT renormalised again.  Slots are
     then re-assigned in the usual order.  Returns a new routing dict (top-2 only).
     """

@@ -98,7 +98,8 @@ def ep_vs_single(cfg: dict) -> dict:
         "y": y.detach(), "x_grad": x.grad / W, "aux": st["aux_loss"].detach(), "z": st["z_loss"].detach(),
         "router_grad": router_grad / W,
         "expert_grads": [[g / W for g in _grads(ex)] for ex in ep.experts],
-        "kept": st["routing"]["kept"], "dispatched": st["dispatched"], "dropped": st["dropped"], "capacity": st["capacity"],
+        "kept": st["routing"]["kept"], "dispatched": st["dispatched"], "dropped": st["dropped"],
+        "capacity": st["capacity"],
         "tokens_per_expert": st["tokens_per_expert"], "kept_per_expert": st["kept_per_expert"],
         "truth": {key: (val[r] if key in ("y", "x_grad", "z", "tokens_per_expert", "kept_per_expert",
                                           "dropped", "capacity") else val)

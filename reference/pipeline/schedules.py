@@ -302,7 +302,8 @@ def bubble_fraction(name: str, num_stages: int, num_microbatches: int, *, virtua
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in (p, m, v)):
-        raise ValueError(f"num_stages, num_microbatches and virtual_stages must be integers >= 1, got {p!r}, {m!r}, {v!r}")
+        raise ValueError(f"num_stages, num_microbatches and virtual_stages must be integers >= 1, got {p!r}, {m!r}, "
+                         f"{v!r}")
     if name == "interleaved_1f1b" and v < 2:
         raise ValueError("interleaved_1f1b needs virtual_stages >= 2 (model chunks per rank)")
     if name == "interleaved_1f1b" and m % p:

@@ -56,7 +56,8 @@ Communication per device per step (ring algorithms; what one device sends)
 Time: compute = FLOPs / (devices · peak · MFU), FLOPs = (6·N_active + 6·L·s·h)·tokens (Kaplan et al.
 arXiv:2001.08361; 8 instead of 6 with full recomputation: one more forward), stretched by the bubble (p−1)/(v·m + p−1);
 tp, pp and ep traffic is in the critical path; dp traffic overlaps the backward (2/3 of the
-compute) and cp traffic the attention compute (6·L·s·h per token): only what exceeds them is exposed.  A group's link is the intra-node one if the rank grid
+compute) and cp traffic the attention compute (6·L·s·h per token): only what exceeds them is exposed.
+A group's link is the intra-node one if the rank grid
 (reference.mesh) keeps every group of that axis inside a node, else the inter-node one.
 
 Which device.  ``plan(..., stage=k)`` describes the ranks of pipeline stage k (layers split as
@@ -70,7 +71,7 @@ Bytes are what one device SENDS with the ring algorithms above; ``reference.trac
 payload a rank hands to each collective (an all-reduce of n bytes is one event of n bytes), so a
 comparison with a measured run converts with the same 2(N−1)/N factors.
 
-Validated on the tiny GPT (``tests/test_planner_measured.py``, :func:`tiny_gpt`, real gloo runs):
+Validated on the tiny GPT (``tests/planner/test_measured.py``, :func:`tiny_gpt`, real gloo runs):
 bytes per axis per step exactly, parameters, gradients and optimizer state exactly, activations
 within a few per cent (``reference.compose.memory`` says what is not counted).
 

@@ -114,6 +114,7 @@ def step_times(seq_len: int, world_sizes, block: BlockFit, link: Link, *, heads:
             return 0.0 if W == 1 else (W - 1) * link.latency + (W - 1) / W * rows * D * b / link.bandwidth
         out["compute only"].append(W * t_b)
         out["ring"].append(t_b + (W - 1) * max(t_b, hop))
-        out["ulysses"].append(2 * a2a(n * heads) + 2 * a2a(n * heads_kv) + W * t_b if heads % W == 0 and heads_kv % W == 0 else None)
+        out["ulysses"].append(2 * a2a(n * heads) + 2 * a2a(n * heads_kv) + W * t_b
+                              if heads % W == 0 and heads_kv % W == 0 else None)
         out["all-gather"].append((W - 1) * hop + W * t_b)
     return out

@@ -4,7 +4,7 @@ Attention heads are independent.  So instead of passing K/V around a ring, W ran
 S/W tokens of all H heads do one all-to-all and then each holds all S tokens of H/W heads — plain
 attention, no merging — and a second all-to-all restores the sequence split::
 
-     (B, H, S/W, D)  ──seq_to_heads──▶  (B, H/W, S, D)  ──attention──▶  (B, H/W, S, D)  ──heads_to_seq──▶  (B, H, S/W, D)
+    (B, H, S/W, D)  ──seq_to_heads──▶  (B, H/W, S, D)  ──attention──▶  (B, H/W, S, D)  ──heads_to_seq──▶  (B, H, S/W, D)
 
     rank r before: tokens chunk r, heads 0..H-1     rank r after: tokens 0..S-1, heads group r
          ┌────┬────┬────┐  heads                        piece (source w, head group r) from each w

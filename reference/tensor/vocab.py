@@ -71,7 +71,8 @@ class VocabParallelEmbedding(nn.Module):
                    embedding=emb)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.dtype not in (torch.int64, torch.int32) or (ids.numel() and (ids.min() < 0 or ids.max() >= self.num_embeddings)):
+        if ids.dtype not in (torch.int64, torch.int32) \
+                or (ids.numel() and (ids.min() < 0 or ids.max() >= self.num_embeddings)):
             raise ValueError(f"ids must be integers in [0, {self.num_embeddings})")
         mine = (ids >= self.first) & (ids < self.last)
         local = torch.where(mine, ids - self.first, torch.zeros_like(ids))

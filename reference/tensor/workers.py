@@ -167,7 +167,8 @@ def bench(kind: str, peer: str, S: int, d_model: int, heads: int, iters: int = 3
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         mesh = init_device_mesh("cpu", (W,))
         if kind == "mlp":
-            m = parallelize_module(MLP(d_model, 4 * d_model), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            m = parallelize_module(MLP(d_model, 4 * d_model), mesh,
+                                   {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
         else:
             m = parallelize_module(_QKVAttention(d_model, heads, heads // W), mesh,
                                    {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),

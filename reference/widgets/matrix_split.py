@@ -15,7 +15,7 @@ The run (``reference.tensor.lecture.mlp_run``) gives the shapes and rank 0's col
                all-reduce ∂X (f) — or reduce-scatter under sequence parallelism
 
 Which position a collective takes comes from its trace meta (``direction``, ``layer``) and, when a
-run lacks it, from its order.  The state is a plain dict (tested in tests/test_tensor_widget.py).
+run lacks it, from its order.  The state is a plain dict (tested in tests/widgets/test_matrix_split.py).
 """
 from __future__ import annotations
 
@@ -46,18 +46,24 @@ def phases(run: dict) -> list[dict]:
     comm = lambda c, block, what: {"kind": "comm", "block": block, "label": what, "comm": c}   # noqa: E731
     out = [{"kind": "compute", "direction": "forward", "block": "X", "label": "input X"}]
     enter = fwd[:-1] if len(fwd) > 1 else []
-    out += [dict(comm(c, "X", "all-gather X along the sequence (enter the region)"), direction="forward") for c in enter]
-    out += [{"kind": "compute", "direction": "forward", "block": "A", "label": "fc1 column-parallel: Y_r = X·A_rᵀ + a_r"},
+    out += [dict(comm(c, "X", "all-gather X along the sequence (enter the region)"), direction="forward")
+            for c in enter]
+    out += [{"kind": "compute", "direction": "forward", "block": "A",
+             "label": "fc1 column-parallel: Y_r = X·A_rᵀ + a_r"},
             {"kind": "compute", "direction": "forward", "block": "Y", "label": "GELU on this rank's d_ff/W features"},
-            {"kind": "compute", "direction": "forward", "block": "B", "label": "fc2 row-parallel: Z_r = GELU(Y_r)·B_rᵀ, a partial sum"}]
-    out += [dict(comm(c, "Z", ("reduce-scatter" if c["op"] == "reduce_scatter" else "all-reduce") + " of the partial Z (g)"),
+            {"kind": "compute", "direction": "forward", "block": "B",
+             "label": "fc2 row-parallel: Z_r = GELU(Y_r)·B_rᵀ, a partial sum"}]
+    out += [dict(comm(c, "Z", ("reduce-scatter" if c["op"] == "reduce_scatter" else "all-reduce")
+                      + " of the partial Z (g)"),
                  direction="forward") for c in fwd[-1:]]
     out += [{"kind": "compute", "direction": "forward", "block": "out", "label": "+ bias b, once: the output"},
             {"kind": "compute", "direction": "backward", "block": "out", "label": "backward: ∂out arrives"}]
-    out += [dict(comm(c, "out", "all-gather ∂out along the sequence"), direction="backward") for c in (bwd[:-1] if len(bwd) > 1 else [])]
+    out += [dict(comm(c, "out", "all-gather ∂out along the sequence"), direction="backward")
+            for c in (bwd[:-1] if len(bwd) > 1 else [])]
     out += [{"kind": "compute", "direction": "backward", "block": "B", "label": "fc2ᵀ: ∂B_r and ∂GELU(Y_r), local"},
             {"kind": "compute", "direction": "backward", "block": "A", "label": "fc1ᵀ: ∂A_r and a PARTIAL ∂X_r"}]
-    out += [dict(comm(c, "X", ("reduce-scatter" if c["op"] == "reduce_scatter" else "all-reduce") + " of the partial ∂X (f)"),
+    out += [dict(comm(c, "X", ("reduce-scatter" if c["op"] == "reduce_scatter" else "all-reduce")
+                      + " of the partial ∂X (f)"),
                  direction="backward") for c in bwd[-1:]]
     return out
 
@@ -138,6 +144,7 @@ def matrix_split_player(runs: dict[bool, dict], *, sequence_parallel: bool = Fal
         return (lambda step: matrix_split_state(run, step)), len(phases(run))
 
     state_at, n = build(sequence_parallel)
-    first_g = next(i for i, p in enumerate(phases(runs[sequence_parallel])) if p["kind"] == "comm" and p["block"] == "Z")
+    first_g = next(i for i, p in enumerate(phases(runs[sequence_parallel]))
+                   if p["kind"] == "comm" and p["block"] == "Z")
     return Player(state_at, n, draw_matrix_split, controls=controls, rebuild=build, caption=matrix_split_caption,
                   figsize=figsize, title=title, static_step=first_g)

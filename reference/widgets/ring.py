@@ -148,7 +148,8 @@ def ring_state(trace: Iterable[Any], step: int, *, world_size: int, layout: str,
     events = list(trace)
     kv = [e for e in events if _get(e, "op") in ("send", "recv") and (_get(e, "meta") or {}).get("what") == "kv"]
     blocks = [e for e in events if _get(e, "op") == "compute" and _get(e, "step") is not None
-              and (_get(e, "meta") or {}).get("what", "attn_fwd") == "attn_fwd" and "q_chunks" in (_get(e, "meta") or {})]
+              and (_get(e, "meta") or {}).get("what", "attn_fwd") == "attn_fwd"
+              and "q_chunks" in (_get(e, "meta") or {})]
     inferred = not blocks
     if inferred:   # a run that records no blocks (e.g. a learner's): show the blocks the ring order implies
         blocks = _implied_blocks(W, layout, causal, L)
@@ -334,7 +335,8 @@ def draw_ring(fig, st: RingState) -> None:
         ax.text(x - 0.26, y, "Q " + _chunk_label(st.q_chunks[r], st.layout), ha="center", va="center", fontsize=7.5)
         src = st.holds_from[r]
         fc = _rgba(colour(src), 0.85) if src is not None else "white"
-        ax.add_patch(Rectangle((x + 0.04, y - 0.17), 0.44, 0.34, fc=fc, ec="#333", hatch=None if st.computed[r] else "//"))
+        ax.add_patch(Rectangle((x + 0.04, y - 0.17), 0.44, 0.34, fc=fc, ec="#333",
+                               hatch=None if st.computed[r] else "//"))
         ax.text(x + 0.26, y, "KV " + _chunk_label(st.holds[r], st.layout), ha="center", va="center", fontsize=7.5,
                 color="white" if src is not None else "black", weight="bold")
         if not st.computed[r]:

@@ -28,7 +28,7 @@ from reference.mesh import RankGrid
 from reference.pipeline import balanced_sizes
 from reference.trace import COMM_OPS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-10
 STEPS = 3
 BATCH = 4

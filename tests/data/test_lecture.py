@@ -112,7 +112,8 @@ def finish_buckets(buckets, *, group=None):
     N = comm.world_size(group)
     for b in buckets:
         if b.work is None:
-            b.buffer = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b.params])
+            b.buffer = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                  for p in b.params])
             b.work = comm.all_reduce_async(b.buffer, group=group, what="grads", bucket=b.index)
     for b in buckets:
         flat, o = b.work.wait() / N, 0

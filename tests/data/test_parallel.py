@@ -141,7 +141,8 @@ def test_bytes_per_step_exact_and_zero2_moves_what_ddp_moves_zero3_one_and_a_hal
             ev = [e for e in tr if e.rank == r and e.meta.get("what") in ("grads", "params")
                   and e.op in ("all_reduce", "reduce_scatter", "all_gather") and e.meta.get("phase") != "state_dict"]
             ring = sum(e.meta["ring_bytes"] for e in ev)
-            handed = {op: sum(e.nbytes for e in ev if e.op == op) for op in ("all_reduce", "reduce_scatter", "all_gather")}
+            handed = {op: sum(e.nbytes for e in ev if e.op == op)
+                      for op in ("all_reduce", "reduce_scatter", "all_gather")}
             got.setdefault(method, set()).add(ring)
             if method == "ddp":
                 assert handed == {"all_reduce": steps * psi * 8, "reduce_scatter": 0, "all_gather": 0}
@@ -184,7 +185,8 @@ def test_memory_per_rank_is_the_formula(runs, W):
         "ddp": {"params": psi * 8 + frozen, "grads": psi * 8, "optimizer_state": 2 * psi * 8 + 4 * n_tensors},
         "zero1": {"params": W * S * 8 + frozen, "grads": W * S * 8, "optimizer_state": 2 * S * 8 + 4},
         "zero2": {"params": W * S * 8 + frozen, "grads": S * 8, "optimizer_state": 2 * S * 8 + 4},
-        "fsdp": {"params": sum(su) * 8 + frozen, "grads": sum(su) * 8, "optimizer_state": 2 * sum(su) * 8 + 4 * len(su)},
+        "fsdp": {"params": sum(su) * 8 + frozen, "grads": sum(su) * 8,
+                 "optimizer_state": 2 * sum(su) * 8 + 4 * len(su)},
     }
     for method in METHODS:
         for r, v in enumerate(runs(W, method).values):

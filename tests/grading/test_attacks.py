@@ -23,7 +23,8 @@ ATTACKS = {
     "gather_logits": ("4.3", "no all-gather in 4.3; an all-reduce carries a few numbers per token", 0),
     "torch_1f1b": ("4.4", "torch.distributed.pipelining's schedules switched off", 0),
     "given_bubble": ("4.6", "the planner's bubble and the schedules' rules switched off (mirrors)", 0),
-    "no_overlap": ("3.2", "overlap shown in values: a bucket reduced only in finish_buckets carries the wrong gradients", 7),
+    "no_overlap": ("3.2", "overlap shown in values: a bucket reduced only in finish_buckets carries the wrong "
+                   "gradients", 7),
     "grader_tables": ("3.2", "no fixed tables; the grader's checks are not importable where code runs", 0),
     # invented against 3.1, 3.3, 3.4, 5c.1-5c.3
     "seed_replay": ("3.1", "fresh inputs: the published seeds are not the autograder's", 0),

@@ -14,14 +14,14 @@ import pytest
 from exercises.grading import core, release
 from tests.conftest import nobody_who_can_run, release_ids
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REGISTRY = core.load_checks()
 
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("autograder")
-    # the fresh-input check of the whole course is tests/test_grader_attacks.py's; here one exercise
+    # the fresh-input check of the whole course is tests/grading/test_attacks.py's; here one exercise
     # per learner module keeps the build quick
     z = release.build_autograder(out, verify_ids=release_ids())
     src = out / "source"

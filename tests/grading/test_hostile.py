@@ -21,7 +21,7 @@ import torch
 from exercises.grading import core, feedback, sandbox, session
 from tests.conftest import nobody_who_can_run
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ATTACKS = "tests.submissions.hostile_runner.attacks"
 
 

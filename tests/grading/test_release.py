@@ -21,7 +21,7 @@ from exercises.grading import core, release
 from tests.conftest import browser_available, release_ids
 from tests.release_notebooks import WHERE, cell_text, explains, problems
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REGISTRY = core.load_checks()
 GRADED = core.graded_functions(REGISTRY)
 IDS = release_ids()
@@ -63,7 +63,8 @@ def test_graded_function_in_release_is_only_docstring_and_delegation_to_learner(
 def test_no_distinctive_solution_line_survives_anywhere_in_the_release(built):
     release_text = "\n".join(p.read_text(errors="replace") for p in built.rglob("*") if p.suffix in (".py", ".ipynb"))
     # what learners are shown anyway (stub hints, notebooks) is not a leak
-    public = "\n".join(p.read_text() for p in list((ROOT / "exercises").glob("*.py")) + list((ROOT / "notebooks").glob("*.ipynb")))
+    public = "\n".join(p.read_text() for p in list((ROOT / "exercises").glob("*.py"))
+                       + list((ROOT / "notebooks").glob("*.ipynb")))
     import exercises  # the tiered hints are shown to learners on purpose (hint("N.M"))
     public += "\n".join(t for tiers in exercises.hints().values() for t in tiers)
     bodies = {}
@@ -126,7 +127,7 @@ def test_release_notebook_explains_with_stubs_untouched_and_asks_for_exercises_i
     solution is needed: widgets and measurements show what the reference recorded when the release
     was built.  Grading cells say "not implemented"."""
     if browser_available():
-        pytest.skip("run in JupyterLab, widgets moved, with the same checks, by tests/test_browser.py")
+        pytest.skip("run in JupyterLab, widgets moved, with the same checks, by tests/notebook/test_browser.py")
     nb = built / "notebooks" / name
     import nbformat
     from nbclient import NotebookClient

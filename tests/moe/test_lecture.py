@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import sys
 import textwrap
 
 import pytest
@@ -21,6 +20,7 @@ from reference.moe.oracles import dispatch_combine_single, ep_dp_local_grads
 from reference.moe.workers import routing_run
 from reference.trace import Event
 from reference.widgets.routing import bytes_per_phase, phases, routing_state
+from tests.conftest import grade_mutant
 
 # ----------------------------------------------------------------------------------------------
 # The widget's state function on a hand-made trace
@@ -173,13 +173,15 @@ def test_gating_detectors_name_each_mistake_and_stay_quiet_on_the_truth():
     # second choices take slots in token order
     kept, slot = _token_order_slots(want["expert_index"], 4, C)
     bad = {**ok, "kept": kept, "slot": slot}
-    assert "first choice" in checks.second_choice_took_slots(_mm('routing["kept"]', kept, want["kept"], got=bad, **base))
+    assert "first choice" in checks.second_choice_took_slots(_mm('routing["kept"]', kept, want["kept"], got=bad,
+                                                                 **base))
     assert checks.second_choice_took_slots(_mm('routing["kept"]', ok["kept"], want["kept"], got=ok, **base)) is None
 
     # renormalised after dropping
     w = want["weight"] * want["kept"]
     renorm = w / w.sum(1, keepdim=True)
-    assert "AFTER dropping" in checks.renormalised_after_dropping(_mm('routing["weight"]', renorm, want["weight"], **base))
+    assert "AFTER dropping" in checks.renormalised_after_dropping(_mm('routing["weight"]', renorm, want["weight"],
+                                                                      **base))
     assert checks.renormalised_after_dropping(_mm('routing["weight"]', ok["weight"], want["weight"], **base)) is None
 
     # capacity off by one: slot <= C keeps one more
@@ -273,11 +275,6 @@ def test_grad_sync_check_data_carries_the_balance_loss_and_a_summed_router_gradi
 # The grader, end to end
 
 
-def _grade(solutions: str, ids):
-    from exercises.grading import session
-    return {r.exercise.id: r for r in session.grade(solutions, ids)}
-
-
 @pytest.mark.slow
 def test_reference_scores_full_marks_and_stubs_score_zero(course_grades):
     ids = ["5b.1", "5b.2", "5b.3", "5b.4"]
@@ -316,17 +313,9 @@ MUTANTS = {
                                                  ("token_order_slots", "5b.1", "before any second choice")])
 def test_grader_names_the_classic_mistake(tmp_path, monkeypatch, mutant, ex_id, words):
     name, body = MUTANTS[mutant]
-    pkg = tmp_path / f"moe_mutant_{mutant}"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
     src = "from reference.moe import *  # noqa\nfrom reference.moe import dispatch, combine, sync_moe_gradients\n"
-    (pkg / "moe.py").write_text(src + textwrap.dedent(body))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    res = _grade(pkg.name, [ex_id])[ex_id]
-    assert res.score < res.max_score
-    failed = [c.message for c in res.checks if not c.passed]
-    assert failed and any(words in m for m in failed), failed
-    sys.modules.pop(pkg.name, None)
+    failed = grade_mutant(tmp_path, monkeypatch, f"moe_mutant_{mutant}", "moe", src + textwrap.dedent(body), ex_id)
+    assert any(words in m for m in failed), failed
 
 
 # ----------------------------------------------------------------------------------------------

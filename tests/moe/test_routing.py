@@ -47,7 +47,8 @@ def test_top1_weight_is_the_raw_probability_and_router_gets_gradient():
 
 def test_top2_weights_renormalised_before_dropping():
     # 4 tokens all prefer expert 0 then expert 1; capacity 1 drops most assignments.
-    logits = torch.tensor([[3.0, 2.0, 0.0]] * 4, dtype=torch.float64) + torch.arange(4.0, dtype=torch.float64)[:, None] * 0.01
+    logits = (torch.tensor([[3.0, 2.0, 0.0]] * 4, dtype=torch.float64)
+              + torch.arange(4.0, dtype=torch.float64)[:, None] * 0.01)
     r = top_k_gating(logits, 2, 1)
     p = torch.softmax(logits, -1)
     want = p[:, :2] / p[:, :2].sum(-1, keepdim=True)

@@ -36,7 +36,7 @@ import pytest
 from tests.conftest import BROWSER_HOW, browser_missing, chromium_path
 from tests.release_notebooks import WHERE, problems
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
 SHOTS = ROOT / "build" / "screenshots" / "browser"
 TOKEN = "course-browser-test"
@@ -131,7 +131,8 @@ _START_RUN = """(whereCode) => {              // start "Run All Cells"; window._
   window.__courseRun = null;
   app.commands.execute('notebook:run-all-cells').then(() => where(w).then(imported => {
                                                         window.__courseRun = Object.assign(summary(w), {imported}); }),
-                                                      e => { window.__courseRun = {errors: [String(e)], views: 0, unrun: -1}; });
+                                                      e => { window.__courseRun = {errors: [String(e)], views: 0,
+                                                                                   unrun: -1}; });
   async function where(w) {         // which packages the kernel imported
     let text = '';
     const f = w.sessionContext.session.kernel.requestExecute({code: whereCode});

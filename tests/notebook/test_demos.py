@@ -1,5 +1,5 @@
 """Fast guards for the release's predict → animate loop (the slow, complete check is
-tests/test_classroom_release.py, which runs every release notebook with the stubs untouched)."""
+tests/grading/test_release.py, which runs every release notebook with the stubs untouched)."""
 from pathlib import Path
 
 import nbformat
@@ -8,7 +8,7 @@ import pytest
 from exercises.grading import core
 from reference.notebook import recorded
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 

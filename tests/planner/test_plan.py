@@ -87,7 +87,8 @@ def test_bytes_per_axis_by_hand():
     # dp: Ψ = all parameters (one device holds all), 2(N−1)/N·Ψ·2 bytes; ZeRO-3 1.5×
     psi = sum(P.param_counts(TINY).values())
     assert P.plan(TINY, TWO_NODES, P.Composition(dp=8)).comm_bytes == {"dp": 2 * 7 / 8 * psi * e}
-    assert P.plan(TINY, TWO_NODES, P.Composition(dp=8, zero=3)).comm_bytes["dp"] == pytest.approx(1.5 * 2 * 7 / 8 * psi * e)
+    assert (P.plan(TINY, TWO_NODES, P.Composition(dp=8, zero=3)).comm_bytes["dp"]
+            == pytest.approx(1.5 * 2 * 7 / 8 * psi * e))
     # tp: 4 all-reduces × 2 layers × 1 micro-batch of s·b·h = 32 elements: 4·2·(2·1/2·64) = 512 bytes,
     # + the vocabulary-parallel embedding's and the head's (64 each), + the cross-entropy's 3 all-reduces
     # of one fp32 number per token (3·32), + with SP the replicated parameters' gradients: 2·2 norms

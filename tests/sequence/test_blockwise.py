@@ -197,7 +197,8 @@ def test_merge_in_float32_with_huge_logits_stays_finite_and_exact():
 
 def test_merge_with_a_fully_masked_side_returns_the_other_side():
     out_a, lse_a = randn(1, 2, 4, 3, seed=1), randn(1, 2, 4, seed=2)
-    empty_out, empty_lse = torch.zeros(1, 2, 4, 3, dtype=torch.float64), torch.full((1, 2, 4), -math.inf, dtype=torch.float64)
+    empty_out, empty_lse = (torch.zeros(1, 2, 4, 3, dtype=torch.float64),
+                            torch.full((1, 2, 4), -math.inf, dtype=torch.float64))
     for out, lse in (merge_attention(out_a, lse_a, empty_out, empty_lse),
                      merge_attention(empty_out, empty_lse, out_a, lse_a)):
         torch.testing.assert_close(out, out_a, atol=0, rtol=0)

@@ -201,12 +201,14 @@ def _expect_value_error_on_every_rank(fn, W, *args, **kwargs):
 
 def test_ring_bad_inputs_raise_value_error_on_every_rank():
     z = lambda *s: torch.zeros(*s)                                           # noqa: E731
-    _expect_value_error_on_every_rank(sequence_workers.ring_call_worker, 3, z(1, 3, 4, 8), z(1, 2, 4, 8), z(1, 2, 4, 8))  # heads
+    _expect_value_error_on_every_rank(sequence_workers.ring_call_worker, 3, z(1, 3, 4, 8), z(1, 2, 4, 8),
+                                      z(1, 2, 4, 8))                                                 # heads
     _expect_value_error_on_every_rank(sequence_workers.ring_call_worker, 2, z(1, 2, 3, 8), z(1, 2, 3, 8), z(1, 2, 3, 8),
                                       causal=True, layout="zigzag")                                  # odd zigzag shard
     _expect_value_error_on_every_rank(sequence_workers.ring_call_worker, 2, z(1, 2, 4, 8), z(1, 2, 4, 8).double(),
                                       z(1, 2, 4, 8))                                                 # dtypes
-    _expect_value_error_on_every_rank(sequence_workers.ring_call_worker, 2, z(1, 2, 4, 8), z(1, 2, 5, 8), z(1, 2, 5, 8))  # lengths
+    _expect_value_error_on_every_rank(sequence_workers.ring_call_worker, 2, z(1, 2, 4, 8), z(1, 2, 5, 8),
+                                      z(1, 2, 5, 8))                                                 # lengths
 
 
 def test_ulysses_heads_not_divisible_raise_value_error_on_every_rank():

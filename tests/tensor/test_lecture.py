@@ -1,22 +1,17 @@
 """Lecture 4a's exercises, grader and widget: the reference scores full marks, the stubs zero, each
 classic mistake is named, and the stubs keep the reference's contract."""
 import inspect
-import sys
 import textwrap
 
 import pytest
 
 import exercises.tensor as stubs
 import reference.tensor as ref
+from tests.conftest import grade_mutant
 
 IDS = ["4.1", "4.2", "4.3"]
 GRADED = ["copy_to_tensor_region", "reduce_from_tensor_region", "linear_shard", "column_parallel_linear",
           "row_parallel_linear", "vocab_parallel_cross_entropy"]
-
-
-def _grade(solutions, ids):
-    from exercises.grading import session
-    return {r.exercise.id: r for r in session.grade(solutions, ids, include_hidden=False)}
 
 
 def test_exercise_stubs_have_the_reference_signatures_and_docstrings():
@@ -95,13 +90,6 @@ MUTANTS = {
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_grader_names_the_classic_mistake(tmp_path, monkeypatch, mutant):
     ex_id, words, body = MUTANTS[mutant]
-    pkg = tmp_path / f"tensor_mutant_{mutant}"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "tensor.py").write_text(_correct_module() + "\n\n" + textwrap.dedent(body))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    res = _grade(pkg.name, [ex_id])[ex_id]
-    assert res.score < res.max_score
-    failed = [c.message for c in res.checks if not c.passed]
-    assert failed and any(words in m for m in failed), failed
-    sys.modules.pop(pkg.name, None)
+    failed = grade_mutant(tmp_path, monkeypatch, f"tensor_mutant_{mutant}", "tensor",
+                          _correct_module() + "\n\n" + textwrap.dedent(body), ex_id, hidden=False)
+    assert any(words in m for m in failed), failed

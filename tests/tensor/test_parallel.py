@@ -123,7 +123,8 @@ def test_sequence_parallelism_moves_the_same_bytes(world, W):
     ops = sp.filter(rank=1, op=("all_reduce", "all_gather", "reduce_scatter"))
     assert [e.op for e in ops] == ["all_gather", "reduce_scatter"] * 2 + ["all_gather", "reduce_scatter"] * 2
     assert all(e.nbytes == (act // W if e.op == "all_gather" else act) for e in ops)
-    wire = lambda t: sum(wire_bytes(e.op, e.nbytes, W) for e in t.filter(rank=1, op=("all_reduce", "all_gather", "reduce_scatter")))  # noqa: E731
+    wire = lambda t: sum(wire_bytes(e.op, e.nbytes, W)  # noqa: E731
+                         for e in t.filter(rank=1, op=("all_reduce", "all_gather", "reduce_scatter")))
     assert wire(sp) == pytest.approx(wire(tp)) and wire(tp) == 4 * 2 * (W - 1) / W * act
 
 

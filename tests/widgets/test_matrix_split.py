@@ -11,8 +11,10 @@ def _run(sp: bool, tp: int = 2, meta: bool = True):
     S, d, dff = 4, 6, 8
     act = S * d * 8
     if sp:
-        cols = [("all_gather", "g-bar", "forward", "mlp.fc1", act // tp), ("reduce_scatter", "g", "forward", "mlp.fc2", act),
-                ("all_gather", "g", "backward", "mlp.fc2", act // tp), ("reduce_scatter", "g-bar", "backward", "mlp.fc1", act),
+        cols = [("all_gather", "g-bar", "forward", "mlp.fc1", act // tp),
+                ("reduce_scatter", "g", "forward", "mlp.fc2", act),
+                ("all_gather", "g", "backward", "mlp.fc2", act // tp),
+                ("reduce_scatter", "g-bar", "backward", "mlp.fc1", act),
                 ("all_reduce", "sp-grad-sync", "backward", "", 48)]
     else:
         cols = [("all_reduce", "g", "forward", "mlp.fc2", act), ("all_reduce", "f", "backward", "mlp.fc1", act)]
@@ -69,4 +71,5 @@ def test_real_run_matches_the_synthetic_layout(world):
     from reference.tensor import lecture
     run = lecture.mlp_run(tp=2, world=world(2))
     assert run["max_error"] < 1e-12
-    assert [(p["direction"], p["block"]) for p in phases(run) if p["kind"] == "comm"] == [("forward", "Z"), ("backward", "X")]
+    assert ([(p["direction"], p["block"]) for p in phases(run) if p["kind"] == "comm"]
+            == [("forward", "Z"), ("backward", "X")])

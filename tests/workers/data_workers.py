@@ -1,4 +1,4 @@
-"""Rank functions only the data-parallel tests use (tests/test_data_parallel.py): bucket layouts,
+"""Rank functions only the data-parallel tests use (tests/data/test_parallel.py): bucket layouts,
 and the failure modes (a rank with another model, a rank that skips backward)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_grader_hostile.py: knock on every door to a library collective in a
+"""Rank functions for tests/grading/test_hostile.py: knock on every door to a library collective in a
 world where the grader switched them off (exercises.grading.allowed_comm)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rank functions only the expert-parallel tests use (tests/test_moe_parallel.py)."""
+"""Rank functions only the expert-parallel tests use (tests/moe/test_parallel.py)."""
 from __future__ import annotations
 
 import torch

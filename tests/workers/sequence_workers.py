@@ -1,4 +1,4 @@
-"""Rank functions only the sequence-parallel tests use (tests/test_sequence_parallel.py)."""
+"""Rank functions only the sequence-parallel tests use (tests/sequence/test_parallel.py)."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Rank functions only the tensor-parallel tests use (tests/test_tensor_parallel.py): bad sizes, and a
+"""Rank functions only the tensor-parallel tests use (tests/tensor/test_parallel.py): bad sizes, and a
 backward that only one rank runs."""
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ from ..feedback import Mismatch
 
 H = "exercises.grading.harness"
 
-ALL_REDUCE = exercise("0.1", "Ring all-reduce from send/recv", "collectives", ["ring_reduce_scatter", "ring_all_reduce"],
-                      comm=("p2p",))
+ALL_REDUCE = exercise("0.1", "Ring all-reduce from send/recv", "collectives",
+                      ["ring_reduce_scatter", "ring_all_reduce"], comm=("p2p",))
 ALL_GATHER = exercise("0.2", "Ring all-gather from send/recv", "collectives", ["ring_all_gather"], comm=("p2p",))
 
 
@@ -120,7 +120,8 @@ def _(ctx):
     _all_reduce_case(ctx, 4, (64,), seed=5)
 
 
-@ALL_REDUCE.check("sends exactly 2·(N-1)/N · n bytes per rank, to the next rank only (trace; feedback only, no points)", points=0)
+@ALL_REDUCE.check("sends exactly 2·(N-1)/N · n bytes per rank, to the next rank only (trace; feedback only, no points)",
+                  points=0)
 def _(ctx):
     n, numel = 4, 64
     res = _all_reduce_case(ctx, n, (numel,), seed=5)

@@ -26,7 +26,8 @@ H = "exercises.grading.harness.data"
 # ZeroRedundancyOptimizer and DDP's constructor need.
 ALLREDUCE = exercise("3.1", "The gradient all-reduce: a mean over ranks", "data", ["all_reduce_gradients"],
                      comm=("all_reduce",))
-BUCKETS = exercise("3.2", "Buckets, overlapped with backward", "data", ["assign_buckets", "grad_ready", "finish_buckets"],
+BUCKETS = exercise("3.2", "Buckets, overlapped with backward", "data",
+                   ["assign_buckets", "grad_ready", "finish_buckets"],
                    comm=("all_reduce", "all_gather"), driver_comm=("broadcast",), shortcuts=("ddp",))
 ZERO = exercise("3.3", "A ZeRO-1/2 optimizer step: reduce, update my shard, all-gather", "data", ["zero_step"],
                 comm=("all_reduce", "reduce_scatter", "all_gather"), driver_comm=("broadcast",),
@@ -65,7 +66,8 @@ HINTS = {
             "Rank r owns flat elements [r·S, (r+1)·S), S = shard.numel(). Build a flat gradient of N·S zeros and copy "
             "each p.grad at its offset (parameters in order).",
             "stage 1: comm.all_reduce(flat); flat /= N; p.grad = flat[offset:...].view_as(p); shard.grad = "
-            "flat[r*S:(r+1)*S].  stage 2: mine = shard.new_empty(S); comm.reduce_scatter_tensor(mine, flat); mine /= N; "
+            "flat[r*S:(r+1)*S].  stage 2: mine = shard.new_empty(S); comm.reduce_scatter_tensor(mine, flat); "
+            "mine /= N; "
             "p.grad = None; shard.grad = mine.",
             "Then optimizer.step(); full = shard.new_empty(N*S); comm.all_gather_into_tensor(full, shard.detach()); "
             "with torch.no_grad(): p.copy_(full[offset:...].view_as(p)) for each parameter."],
@@ -126,7 +128,8 @@ def _allreduce_case(ctx, W: int, seed: int, scale: float = 1.0, dtype=torch.floa
                 continue
             want = torch.stack([per_rank[q][i].double() for q in range(W)]).mean(0)
             ctx.compare(got[i], want.to(dtype), f"gradient {i}", rank=r, world_size=W, case=f"W={W}, scale {scale:g}",
-                        atol=1e-12 * scale if dtype == torch.float64 else 1e-5 * scale, rtol=1e-10 if dtype == torch.float64 else 1e-5,
+                        atol=1e-12 * scale if dtype == torch.float64 else 1e-5 * scale,
+                        rtol=1e-10 if dtype == torch.float64 else 1e-5,
                         extra={"input": per_rank[r][i]})
 
 
@@ -261,13 +264,16 @@ def _(ctx):
     for r in range(2):
         ready = sorted(e["start"] for e in res.events("grad_ready", rank=r))
         ars = [e for e in res.events("all_reduce", rank=r) if e["meta"].get("what") == "grads"]
-        ctx.expect(bool(ready) and bool(ars), f"rank {r}: no gradient all-reduce in the trace (use comm.all_reduce_async).")
+        ctx.expect(bool(ready) and bool(ars), f"rank {r}: no gradient all-reduce in the trace (use "
+                                              f"comm.all_reduce_async).")
         last = ready[-1]
         ctx.expect(min(e["start"] for e in ars) < last,
-                   f"rank {r}: every bucket's all-reduce started after the last gradient of backward: nothing overlaps. "
+                   f"rank {r}: every bucket's all-reduce started after the last gradient of backward: nothing "
+                   f"overlaps. "
                    "Post a bucket from grad_ready as soon as it is complete.")
         early = [e for e in ars if e["end"] < last]
-        ctx.expect(not early, f"rank {r}: the all-reduce of bucket(s) {sorted({e['meta'].get('bucket') for e in early})} "
+        ctx.expect(not early, f"rank {r}: the all-reduce of bucket(s) "
+                   f"{sorted({e['meta'].get('bucket') for e in early})} "
                    "finished before backward produced its last gradient: a bucket waited for too early (a .wait() or a "
                    "blocking all_reduce in grad_ready), so backward stood still while it flew. Post with "
                    "comm.all_reduce_async in grad_ready and wait only in finish_buckets.")
@@ -296,16 +302,16 @@ def wrong_shard(m: Mismatch) -> str | None:
     if len(right) == W:
         return None
     if all(bool((gb[q] == 0).all()) for q in range(W) if q not in right):
-        return (f"only the elements of rank(s) {right}'s shard changed: the other ranks' updated shards never came back "
-                "— all-gather every rank's shard and copy it into the parameters.")
+        return (f"only the elements of rank(s) {right}'s shard changed: the other ranks' updated shards never came "
+                "back — all-gather every rank's shard and copy it into the parameters.")
     for q in range(W):
         if q in right:
             continue
         for p in range(W):
             if p != q and torch.allclose(gb[q], wb[p], atol=1e-10, rtol=1e-8):
-                return (f"elements [{q}·S, {q + 1}·S) (rank {q}'s shard, S = {S}) got the update that belongs to rank {p}'s "
-                        f"elements: a rank updated the wrong shard. Rank r owns [r·S, (r+1)·S): its shard.grad must be "
-                        "that slice of the reduced gradient.")
+                return (f"elements [{q}·S, {q + 1}·S) (rank {q}'s shard, S = {S}) got the update that belongs to "
+                        f"rank {p}'s elements: a rank updated the wrong shard. Rank r owns [r·S, (r+1)·S): its "
+                        "shard.grad must be that slice of the reduced gradient.")
     return None
 
 
@@ -356,11 +362,13 @@ def _(ctx):
         for r, v in enumerate(res.values):
             mem = v["memory"]
             want = W * S * 8 if stage == 1 else S * 8
-            ctx.expect(mem["grads"] == want, f"stage {stage}, rank {r}: holds {mem['grads']} bytes of gradient after the "
+            ctx.expect(mem["grads"] == want,
+                       f"stage {stage}, rank {r}: holds {mem['grads']} bytes of gradient after the "
                        f"step, expected {want} ({'the full mean gradient, N·S' if stage == 1 else 'only its shard, S'} "
                        "float64 elements)." + (" Set each p.grad to None in stage 2: the reduce-scatter gave you "
                                                "your shard." if stage == 2 and mem["grads"] > want else ""))
-            ctx.expect(mem["optimizer_state"] <= 2 * S * 8 + 8, f"stage {stage}, rank {r}: {mem['optimizer_state']} bytes "
+            ctx.expect(mem["optimizer_state"] <= 2 * S * 8 + 8,
+                       f"stage {stage}, rank {r}: {mem['optimizer_state']} bytes "
                        f"of optimizer state; AdamW on an S = {S} shard holds 2·S·8 + a step counter. The optimizer "
                        "state is not sharded: update `shard` with the optimizer you were given, nothing else.")
 

@@ -80,7 +80,8 @@ def _order_case(ctx, p: int, m: int) -> None:
             hint = " Each micro-batch needs exactly one F and one B on every stage."
         elif w_got != w_want:
             hint = (f" It runs {w_got} forward{'s' if w_got != 1 else ''} before its first backward; 1F1B warms up "
-                    f"with min(m, p − s − 1) = {min(m, p - s - 1)} forwards and then starts its first F-B pair" + (": more keeps more activations stashed (memory grows towards GPipe's m)."
+                    f"with min(m, p − s − 1) = {min(m, p - s - 1)} forwards and then starts its first F-B pair" + (
+                                        ": more keeps more activations stashed (memory grows towards GPipe's m)."
                                         if w_got > w_want else ": fewer makes it wait for a gradient that cannot "
                                         "come back yet (the later stages have not seen enough micro-batches)."))
         raise CheckFailed(f"[{words}] got {_short(mine)}; expected {_short(want)}.{hint}")
@@ -288,7 +289,8 @@ def _bubble_case(ctx, name: str, p: int, m: int, v: int = 1, truth: str = "measu
     elif abs(got - (p - 1) / p) < 1e-12:
         hint = " (p−1)/p is the naive pipeline without micro-batches; m micro-batches shrink it."
     elif v > 1 and abs(got - (p - 1) / (m + p - 1)) < 1e-12:
-        hint = " that is 1F1B's bubble: with v chunks per rank each block is 1/v of the work, so the fill takes 1/v as long."
+        hint = (" that is 1F1B's bubble: with v chunks per rank each block is 1/v of the work, so the fill takes 1/v "
+                "as long.")
     elif name == "zb_h1" and abs(got - (p - 1) / (m + p - 1)) < 1e-12:
         hint = (" that is 1F1B's bubble: ZB-H1 splits the backward into B and W (three slots per micro-batch) and "
                 "fills the cool-down with W's.")
@@ -335,7 +337,8 @@ def _(ctx):
     rng = random.Random(salted_seed(65))
     p = rng.randint(3, 8)
     for args, kw in (((rng.choice(["pipedream", "1F1B", "dualpipe"]), p, 2 * p), {}), (("1f1b", p, p - 1), {}),
-                     (("interleaved_1f1b", p, p + 1), {"virtual_stages": 2}), (("gpipe", p, 2 * p), {"virtual_stages": 2})):
+                     (("interleaved_1f1b", p, p + 1), {"virtual_stages": 2}),
+                     (("gpipe", p, 2 * p), {"virtual_stages": 2})):
         err = ctx.local(f"{H}:raises", "bubble_fraction", args, kw)
         if err != "ValueError":
             raise CheckFailed(f"bubble_fraction{args}{', ' + str(kw) if kw else ''} should raise ValueError, "

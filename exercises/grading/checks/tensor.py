@@ -33,7 +33,8 @@ XENT = exercise("4.3", "Vocabulary-parallel cross-entropy", "tensor", ["vocab_pa
                 comm=("all_reduce",), limits={"all_reduce": 3 * XENT_MAX_TOKENS}, shortcuts=("dtensor",))
 
 HINTS = {
-    "4.1": ["f is the identity going forward, g sums the ranks' partial results going forward. Every rank used the same x: what must f's backward do? And what is the gradient of a sum with respect to each of its terms?",
+    "4.1": ["f is the identity going forward, g sums the ranks' partial results going forward. Every rank used the "
+            "same x: what must f's backward do? And what is the gradient of a sum with respect to each of its terms?",
             "f: every rank used the same x, and each rank's branch contributes part of dL/dx. The true "
             "gradient is the sum of the parts; g is the mirror image.",
             "Write each as a torch.autograd.Function (it may live inside the function). An all-reduce done "
@@ -41,7 +42,9 @@ HINTS = {
             "f: forward returns x.view_as(x); backward returns comm.all_reduce(grad.clone(), group=group, **meta). "
             "g: forward returns comm.all_reduce(x.clone(), group=group, **meta); backward returns grad. "
             "Skip the all-reduce when comm.world_size(group) == 1."],
-    "4.2": ['nn.Linear stores weight as (out, in): one style cuts the output features, the other the input features. Ask of each layer: how does its input enter the tensor-parallel region, where are the partial products summed, and when is the bias added?',
+    "4.2": ['nn.Linear stores weight as (out, in): one style cuts the output features, the other the input features. '
+            'Ask of each layer: how does its input enter the tensor-parallel region, where are the partial products '
+            'summed, and when is the bias added?',
             "Column-parallel: weight rows r·out/W … (r+1)·out/W and the same bias slice; row-parallel: weight "
             "columns r·in/W … (r+1)·in/W and the WHOLE bias.",
             "Column: x → copy_to_tensor_region (f) → F.linear(x, w, b). Row: F.linear(x, w) without the bias → "
@@ -49,7 +52,8 @@ HINTS = {
             "With sequence_parallel, gather_from_sequence_region replaces f and reduce_scatter_to_sequence_region "
             "replaces g; with gather_output, gather_from_tensor_region; without input_is_parallel, "
             "scatter_to_tensor_region first. Pass **meta to each of them."],
-    "4.3": ['Never gather the V logits. Which three numbers per token must the ranks agree on to compute log Σ_v exp(z_v) - z_target without overflow?',
+    "4.3": ['Never gather the V logits. Which three numbers per token must the ranks agree on to compute log Σ_v '
+            'exp(z_v) - z_target without overflow?',
             "The loss is log Σ_v exp(z_v) - z_target. Each rank has V/W of the z_v: agree on the max, on the "
             "sum of exponentials and on the target logit — one number per token each.",
             "m = all-reduce MAX of the row max; s = all-reduce SUM of Σ exp(z - m); the target logit comes "
@@ -87,7 +91,8 @@ def _fg(ctx, which: str, W: int, seed: int):
                     detectors=[fg_forward_mistakes], extra={"which": which, "xs": xs})
         want_grad = sum(grads) if which == "f" else grads[0]
         ctx.compare(v["grad"], want_grad, f"{which}'s input gradient", rank=r, world_size=W, atol=1e-12,
-                    rtol=1e-12, detectors=[fg_backward_mistakes], extra={"which": which, "own": grads[r], "grads": grads})
+                    rtol=1e-12, detectors=[fg_backward_mistakes],
+                    extra={"which": which, "own": grads[r], "grads": grads})
     return res
 
 
@@ -156,7 +161,8 @@ def _shard_want(weight, bias, style, r, W):
 
 def wrong_style(m: Mismatch) -> str | None:
     other = m.extra.get("other")
-    if isinstance(m.got, torch.Tensor) and other is not None and m.got.shape == other.shape and torch.equal(m.got.double(), other.double()):
+    if isinstance(m.got, torch.Tensor) and other is not None and m.got.shape == other.shape \
+            and torch.equal(m.got.double(), other.double()):
         return (f"this is the {m.extra['other_style']}-parallel shard: nn.Linear stores weight as (out, in); "
                 "column-parallel cuts the OUTPUT features (rows, dim 0), row-parallel the INPUT features "
                 "(columns, dim 1).")
@@ -177,7 +183,8 @@ def _(ctx):
             for r, v in enumerate(res.values):
                 w, b = _shard_want(weight, bias, style, r, W)
                 ow, _ = _shard_want(weight, bias, other_style, r, W)
-                if isinstance(v["weight"], torch.Tensor) and v["weight"].shape == ow.shape and torch.equal(v["weight"], ow):
+                if isinstance(v["weight"], torch.Tensor) and v["weight"].shape == ow.shape \
+                        and torch.equal(v["weight"], ow):
                     raise CheckFailed(f"{style}-parallel weight shard on rank {r} (world size {W}): "
                                       + wrong_style(Mismatch("weight", v["weight"], w, extra={"other": ow,
                                                              "other_style": other_style})))
@@ -339,7 +346,8 @@ def _(ctx):
 def _(ctx):
     res = _xent(ctx, 2, ctx.seed(33), 1.0)
     T, Vw = res.sizes[0], res.sizes[1] // 2
-    big = [e for e in res.events(rank=0) if e["op"] in ("all_reduce", "all_gather", "reduce_scatter", "send", "all_to_all")
+    big = [e for e in res.events(rank=0)
+           if e["op"] in ("all_reduce", "all_gather", "reduce_scatter", "send", "all_to_all")
            and e["nbytes"] >= T * Vw * 8]
     small = [e for e in res.events(rank=0) if e["op"] == "all_reduce" and e["nbytes"] == T * 8]
     if big:

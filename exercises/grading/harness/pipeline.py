@@ -12,22 +12,14 @@ def pipeline_step(module: str, schedule: str, num_microbatches: int, kwargs: dic
 
     calls: dict[int, list[tuple[str, int]]] = {}
 
-    class RecordingLink(Link):      # the record is kept here, in the grader's closure, not on the link
-        def recv_activation(self, microbatch):
-            calls.setdefault(self.stage, []).append(("recv_activation", int(microbatch)))
-            return Link.recv_activation(self, microbatch)
+    def recording(call: str):
+        def method(self, *args):                 # (tensor,) microbatch: the record is kept here, not on the link
+            calls.setdefault(self.stage, []).append((call, int(args[-1])))
+            return getattr(Link, call)(self, *args)
+        return method
 
-        def send_activation(self, tensor, microbatch):
-            calls.setdefault(self.stage, []).append(("send_activation", int(microbatch)))
-            return Link.send_activation(self, tensor, microbatch)
-
-        def recv_gradient(self, microbatch):
-            calls.setdefault(self.stage, []).append(("recv_gradient", int(microbatch)))
-            return Link.recv_gradient(self, microbatch)
-
-        def send_gradient(self, tensor, microbatch):
-            calls.setdefault(self.stage, []).append(("send_gradient", int(microbatch)))
-            return Link.send_gradient(self, tensor, microbatch)
-
+    RecordingLink = type("RecordingLink", (Link,), {c: recording(c) for c in
+                                                    ("recv_activation", "send_activation", "recv_gradient",
+                                                     "send_gradient")})
     out = workers.pipeline_worker(schedule, num_microbatches, link_class=RecordingLink, **kwargs)
     return {"loss": out["loss"], "grads": out["grads"], "links": calls}

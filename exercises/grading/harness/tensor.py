@@ -43,7 +43,8 @@ def mlp_per_rank(module: str, fc1, fc2, x, dout, bias_row: bool = True):
     if not isinstance(h, torch.Tensor):
         return {"out": h}
     y = _fn(module, "row_parallel_linear")(F.gelu(h), w2, b2)
-    res = {"out": y.detach() if isinstance(y, torch.Tensor) else y, "has_graph": bool(getattr(y, "requires_grad", False))}
+    res = {"out": y.detach() if isinstance(y, torch.Tensor) else y,
+           "has_graph": bool(getattr(y, "requires_grad", False))}
     if res["has_graph"]:
         y.backward(dout)
         res.update(dx=x.grad, w1=w1.grad, b1=b1.grad, w2=w2.grad, b2=b2.grad)

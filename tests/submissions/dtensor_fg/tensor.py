@@ -13,4 +13,5 @@ def copy_to_tensor_region(x, group=None, **meta):
 
 def reduce_from_tensor_region(x, group=None, **meta):
     from torch.distributed.tensor import DTensor, Partial, Replicate
-    return DTensor.from_local(x, _mesh(), [Partial()], run_check=False).redistribute(placements=[Replicate()]).to_local()
+    return DTensor.from_local(x, _mesh(), [Partial()],
+                              run_check=False).redistribute(placements=[Replicate()]).to_local()

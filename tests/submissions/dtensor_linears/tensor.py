@@ -11,7 +11,8 @@ def linear_shard(weight, bias, style, group=None):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     mesh = _mesh()
     w = distribute_tensor(weight, mesh, [Shard(0) if style == "column" else Shard(1)]).to_local()
-    b = None if bias is None else distribute_tensor(bias, mesh, [Shard(0) if style == "column" else Replicate()]).to_local()
+    b = None if bias is None else distribute_tensor(bias, mesh,
+                                                    [Shard(0) if style == "column" else Replicate()]).to_local()
     return w, b
 
 

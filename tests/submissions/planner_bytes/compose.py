@@ -20,6 +20,7 @@ def step_bytes(sizes, coords, *, tokens, d_model, layers, dense_params, num_micr
                     p = plan(model, cpu_cluster(n), comp, stage=coords.get("pp", 0))
                 except Exception:
                     continue
-                got = {"dp_cp": p.comm_bytes.get("dp", 0), "cp": p.comm_bytes.get("cp", 0), "pp": p.comm_bytes.get("pp", 0)}
+                got = {"dp_cp": p.comm_bytes.get("dp", 0), "cp": p.comm_bytes.get("cp", 0),
+                       "pp": p.comm_bytes.get("pp", 0)}
                 return {a: int(round(v)) for a, v in got.items() if v}
     raise ValueError("not one of the grader's configurations")

@@ -1,7 +1,8 @@
 """Wants the reference's solution without writing it: reloads the reference module (fresh function
-objects built from its source file), or drops every ``reference.*`` module and imports it again, or loads the file the module came
+objects built from its source file), or drops every ``reference.*`` module and imports it again, or
+loads the file the module came
 from under another name.  (Reading the bundle's own files by path is stopped by their permissions,
-see lock_source.sh and tests/test_classroom_autograder.py.)"""
+see lock_source.sh and tests/grading/test_autograder.py.)"""
 import importlib
 import importlib.util
 import sys

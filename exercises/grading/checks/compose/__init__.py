@@ -3,7 +3,7 @@ synchronisation on a composed grid (5c.2), and a planner's byte estimate checked
 bytes a real run sends (5c.3).
 
 One module per exercise: :mod:`.groups` (5c.1), :mod:`.grad_sync` (5c.2), :mod:`.step_bytes`
-(5c.3); :mod:`.harness` holds what runs beside the learner's code.  Importing this package
+(5c.3); what runs beside the learner's code is ``exercises.grading.harness.compose``.  Importing this package
 registers the three exercises in that order.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The truth is the reference's formula for the tiny GPT (``reference.compose.train.expected_bytes``, via
 ``ctx.oracle``),
-which ``tests/test_compose_train.py`` holds equal, byte for byte, to the trace of real runs on
+which ``tests/compose/test_train.py`` holds equal, byte for byte, to the trace of real runs on
 every rank of every grid it trains.  Each case is one rank of a real grid with the numbers that
 rank has (its tokens, its stage's layers, its parameter count from the formula), so the learner's
 arithmetic is compared with what that rank sends.  Detectors name the usual slips per axis.

@@ -8,7 +8,8 @@ answer (which slots a second choice took, whether the weights of a half-dropped 
 which experts' tokens arrived on a rank) rather than re-implementing the exercise here.
 
 One module per exercise: :mod:`.gating` (5b.1), :mod:`.aux` (5b.2), :mod:`.dispatch` (5b.3),
-:mod:`.grad_sync` (5b.4); :mod:`.common` the shared names (the rank-side harness is ``exercises.grading.harness.moe``).  Importing this package
+:mod:`.grad_sync` (5b.4); :mod:`.common` the shared names (the rank-side harness is
+``exercises.grading.harness.moe``).  Importing this package
 registers the four exercises in that order.
 """
 from __future__ import annotations

@@ -33,7 +33,8 @@ def aux_scale_mistakes(m: Mismatch) -> str | None:
         return (f"your loss is exactly k = {k}× the true one: f_i counts all k choices of every token, so "
                 "divide the counts by k·T (otherwise uniform routing gives k, not 1).")
     if E and abs(c - 1 / E) < 1e-9:
-        return f"your loss is exactly 1/E = 1/{E} of the true one: the Switch loss is E · Σ_i f_i·P_i (the ×E is missing)."
+        return (f"your loss is exactly 1/E = 1/{E} of the true one: the Switch loss is E · Σ_i f_i·P_i (the ×E is "
+                "missing).")
     if E and abs(c - E) < 1e-9:
         return f"your loss is exactly E = {E}× too large: multiply Σ_i f_i·P_i by E once."
     return None

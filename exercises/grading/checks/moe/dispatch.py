@@ -7,7 +7,8 @@ from ...core import exercise, salted_seed
 from ...feedback import Mismatch
 from .common import ORACLES, REF, H
 
-DISPATCH = exercise("5b.3", "Dispatch and combine through all-to-all", "moe", ["dispatch", "combine"], comm=("all_to_all",))
+DISPATCH = exercise("5b.3", "Dispatch and combine through all-to-all", "moe", ["dispatch", "combine"],
+                    comm=("all_to_all",))
 
 
 def _dispatch_inputs(ctx, W: int, T: int, E: int, k: int, cf: float, seed: int, d: int = 3, hot=None):
@@ -138,7 +139,8 @@ def _(ctx):
                    hot={0: 1.5, 1: 1.0})
 
 
-@DISPATCH.check("an all-to-all moves E·C rows per rank each way (padded, GShard style) (trace; feedback only, no points)", points=0)
+@DISPATCH.check("an all-to-all moves E·C rows per rank each way (padded, GShard style) (trace; feedback only, no "
+                "points)", points=0)
 def _(ctx):
     W, T, E, k, d = 4, 8, 8, 2, 3
     res, C = _dispatch_case(ctx, W, T, E, k, 1.0, seed=35, case="W=4, forward only", backward=False)

@@ -31,9 +31,11 @@ def block_keep(rule: str, layout: str, S: int, W: int, r: int, j: int) -> torch.
     if rule == "diag_skipped":
         return torch.zeros(n, n, dtype=torch.bool) if j == r else truth
     if rule == "contiguous_rules":
-        return torch.ones(n, n, dtype=torch.bool) if j < r else local_causal if j == r else torch.zeros(n, n, dtype=torch.bool)
+        return (torch.ones(n, n, dtype=torch.bool) if j < r else local_causal if j == r
+                else torch.zeros(n, n, dtype=torch.bool))
     if rule == "reversed":
-        return torch.ones(n, n, dtype=torch.bool) if j > r else local_causal if j == r else torch.zeros(n, n, dtype=torch.bool)
+        return (torch.ones(n, n, dtype=torch.bool) if j > r else local_causal if j == r
+                else torch.zeros(n, n, dtype=torch.bool))
     if rule == "striped_inclusive":
         return local_causal if layout == "striped" else truth
     raise ValueError(rule)

@@ -91,8 +91,8 @@ def judge_ulysses_error(values: list[dict], W: int, Hh: int) -> None:
                           f"split over {W} ranks. Raise ValueError on every rank before any communication.")
 
 
-@ULYSSES.check("heads not divisible by W (5 to 10 heads on 4 ranks): ValueError on every rank, no hang", timeout=RANKS_TIMEOUT,
-               requires_value=True)
+@ULYSSES.check("heads not divisible by W (5 to 10 heads on 4 ranks): ValueError on every rank, no hang",
+               timeout=RANKS_TIMEOUT, requires_value=True)
 def _(ctx):
     W, Hh = 4, random.Random(salted_seed(543)).choice([5, 6, 7, 9, 10])
     X = heads_tokens_tensor(1, Hh, 8, 2)
