@@ -68,17 +68,47 @@ def world():
 
 
 _grades: dict[str, tuple[list, float]] = {}
+COURSE_REQUESTS: dict[str, dict] = {}      # solutions -> {(exercise, check): digests of what it sent learner code}
+
+
+def grade_recording(solutions: str, secret: bytes | None = None):
+    """Grade the whole course (hidden checks included) on the published inputs (``secret`` None) or on
+    fresh inputs from ``secret``; also {(exercise, check): digests of the requests it sent the runner}."""
+    import hashlib
+
+    from exercises.grading import core, sandbox, session
+    seen: dict[tuple[str, str], set[str]] = {}
+    current = [("", "")]
+    call = sandbox.Runner.call
+
+    def recording(self, request, timeout):
+        if request[0] in ("local", "ranks"):
+            key = core.Oracle.key("request", request[1:], {})
+            seen.setdefault(current[0], set()).add(hashlib.sha256(key.encode()).hexdigest())
+        return call(self, request, timeout)
+
+    def progress(line: str) -> None:
+        ex_id, _, rest = line.partition(" ")
+        current[0] = (ex_id, rest.rsplit(" ...", 1)[0])
+
+    before = core._SALT
+    sandbox.Runner.call, core._SALT = recording, secret
+    try:
+        results = session.grade(solutions, include_hidden=True, progress=progress)
+    finally:
+        sandbox.Runner.call, core._SALT = call, before
+    return results, seen
 
 
 @pytest.fixture(scope="session")
 def course_grades():
     """``course_grades(solutions)`` -> (results of every exercise, hidden checks included, seconds it
-    took): the whole course graded once per session and shared by the tests that need it."""
+    took): the whole course graded once per session and shared by the tests that need it (what each
+    check sent learner code is kept in ``COURSE_REQUESTS[solutions]``)."""
     def get(solutions: str):
         if solutions not in _grades:
-            from exercises.grading import session
             t0 = time.perf_counter()
-            results = session.grade(solutions, include_hidden=True)
+            results, COURSE_REQUESTS[solutions] = grade_recording(solutions)
             _grades[solutions] = (results, time.perf_counter() - t0)
         return _grades[solutions]
     return get

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,25 +51,23 @@ def test_a_script_can_run_its_own_function_on_ranks(tmp_path, no_orphans):
     assert marks.count("__mp_main__") == 2
 
 
-def _refused(r: subprocess.CompletedProcess, seconds: float) -> None:
+def _refused(r: subprocess.CompletedProcess) -> None:
     assert r.returncode != 0
     assert "ValueError" in r.stderr and "python my_script.py" in r.stderr, r.stderr[-2000:]
     assert "rank" not in r.stderr.split("ValueError")[-1].lower().split("each rank")[0]
-    assert seconds < 30, f"the refusal took {seconds:.1f} s: it must come before any rank starts"
+    assert "[rank " not in r.stdout + r.stderr, "a rank started before the refusal"
 
 
 CODE = "from reference.launch import run_world\ndef work(x):\n    return x\nrun_world(work, 2, 1)\n"
 
 
 def test_python_dash_c_is_refused_before_any_rank_starts(tmp_path, no_orphans):
-    t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", CODE], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
                        text=True, timeout=60)
-    _refused(r, time.perf_counter() - t0)
+    _refused(r)
 
 
 def test_a_script_from_stdin_is_refused_before_any_rank_starts(tmp_path, no_orphans):
-    t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-"], input=CODE, cwd=tmp_path, env=_env(tmp_path), capture_output=True,
                        text=True, timeout=60)
-    _refused(r, time.perf_counter() - t0)
+    _refused(r)

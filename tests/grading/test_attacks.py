@@ -7,12 +7,12 @@ autograder bundle is refused when its reference does not score full marks.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pytest
 
-from exercises.grading import core, sandbox, session
+from exercises.grading import core, session
+from tests.conftest import COURSE_REQUESTS, grade_recording
 
 # fixture -> (exercise it attacks, what stops it, the most it may score)
 ATTACKS = {
@@ -64,44 +64,16 @@ def test_the_no_overlap_attack_loses_exactly_the_overlap_check_and_is_told_why(f
     assert "posted only in finish_buckets" in lost[0].message
 
 
-def _digest(request: tuple) -> str:
-    return hashlib.sha256(core.Oracle.key("request", request[1:], {}).encode()).hexdigest()
-
-
-def _grade_recording(monkeypatch, solutions: str, secret: bytes | None):
-    """Grade the whole course (hidden checks included); also {(exercise, check): request digests}."""
-    seen: dict[tuple[str, str], set[str]] = {}
-    current: list[tuple[str, str]] = [("", "")]
-    call = sandbox.Runner.call
-
-    def recording(self, request, timeout):
-        if request[0] in ("local", "ranks"):
-            seen.setdefault(current[0], set()).add(_digest(request))
-        return call(self, request, timeout)
-
-    def progress(line: str) -> None:
-        ex_id, _, rest = line.partition(" ")
-        current[0] = (ex_id, rest.rsplit(" ...", 1)[0])
-
-    monkeypatch.setattr(sandbox.Runner, "call", recording)
-    monkeypatch.setattr(core, "_SALT", secret)
-    try:
-        results = session.grade(solutions, include_hidden=True, progress=progress)
-    finally:
-        monkeypatch.setattr(sandbox.Runner, "call", call)
-        monkeypatch.setattr(core, "_SALT", None)
-    return results, seen
-
-
-def test_the_reference_earns_full_marks_on_fresh_inputs_and_every_check_draws_new_ones(monkeypatch, no_orphans):
-    runs = [_grade_recording(monkeypatch, "reference", s) for s in (None, os.urandom(32), os.urandom(32))]
-    for results, _ in runs:
+def test_the_reference_earns_full_marks_on_fresh_inputs_and_every_check_draws_new_ones(course_grades, no_orphans):
+    published_results, _ = course_grades("reference")          # the published inputs, graded once per session
+    published = COURSE_REQUESTS["reference"]
+    runs = [grade_recording("reference", os.urandom(32)) for _ in range(2)]
+    for results, _ in [(published_results, None), *runs]:
         lost = [(r.exercise.id, c.name, c.message[:200]) for r in results for c in r.checks if not c.passed]
         assert not lost, lost
-    (published_results, published), *salted = runs
     points = {(r.exercise.id, c.name): c.max_score for r in published_results for c in r.checks}
     fixed = [key for key, digests in published.items() if points.get(key, 0) > 0
-             and all(seen.get(key) == digests for _, seen in salted)]
+             and all(seen.get(key) == digests for _, seen in runs)]
     assert not fixed, f"checks whose inputs do not change with the seed: {fixed}"
 
 

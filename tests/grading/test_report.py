@@ -107,13 +107,13 @@ def test_exercise_ids_sort_in_course_order():
 
 
 @pytest.mark.slow
-def test_grading_the_whole_course_with_the_reference_gives_full_marks_in_under_three_minutes(course_grades):
+def test_grading_the_whole_course_with_the_reference_gives_full_marks(course_grades):
     results, seconds = course_grades("reference")
     lost = [(r.exercise.id, c.name, c.message[:300]) for r in results for c in r.checks if not c.passed]
     assert not lost
     assert len(results) == len(core.load_checks()) and all(r.max_score > 0 for r in results)
+    # how long it took is a benchmark's figure (benchmarks/grading.py), not a test's: a loaded machine is slower
     print(f"\ngraded {len(results)} exercises ({sum(len(r.checks) for r in results)} checks) in {seconds:.1f} s")
-    assert seconds < 180
 
 
 def test_the_untouched_stubs_score_zero_on_every_exercise(course_grades):

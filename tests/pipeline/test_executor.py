@@ -9,7 +9,6 @@ ranks (a subgroup when p < 4, so ``group=`` is exercised too); the other ranks r
 """
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -148,11 +147,9 @@ def test_twenty_steps_in_one_world_never_hang(world):
 
 
 def expect_value_error_on_every_rank(p, *args, match, **kwargs):
-    t0 = time.perf_counter()
     with pytest.raises(WorldError) as info:
         run_world(workers.pipeline_worker, p, *args, timeout=30, **kwargs)
-    assert time.perf_counter() - t0 < 30
-    err = info.value
+    err = info.value                          # "exception", not a hang reported by the timeout
     assert err.kind == "exception" and sorted(err.failures) == list(range(p)), err
     assert all(f.exc_type == "ValueError" and match in f.message for f in err.failures.values()), err
     assert not err.trace.filter(op=("send", "recv")), "a message went out before the check"

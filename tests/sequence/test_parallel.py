@@ -6,7 +6,6 @@ same seed: out, lse, dq, dk, dv.  Work (pairs) and bytes are counted from the tr
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -189,12 +188,10 @@ def test_next_hop_is_posted_before_the_block_is_computed(world, W):
 
 
 def _expect_value_error_on_every_rank(fn, W, *args, **kwargs):
-    t0 = time.perf_counter()
     with pytest.raises(WorldError) as info:
         run_world(fn, W, *args, timeout=30, **kwargs)
-    assert time.perf_counter() - t0 < 30
     err = info.value
-    assert err.kind == "exception"
+    assert err.kind == "exception"            # raised on the ranks, not a hang reported by the timeout
     assert sorted(err.failures) == list(range(W))
     assert all(f.exc_type == "ValueError" for f in err.failures.values()), err
 

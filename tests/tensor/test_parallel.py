@@ -6,7 +6,6 @@ float64, tensor-parallel sizes 1, 2, 3, 4 (3 where the dimensions divide: d_ff =
 (weight gradients equal their slices) within 1e-12, with and without sequence parallelism, at
 inputs ×30.  Bytes and counts of collectives are exact, from the trace.
 """
-import time
 
 import pytest
 import torch
@@ -166,11 +165,10 @@ def test_dropout_streams_differ_inside_the_region_and_agree_outside(world):
 
 
 def test_heads_not_divisible_raise_value_error_on_every_rank_before_any_message():
-    t0 = time.perf_counter()
     with pytest.raises(WorldError) as info:
         run_world(tensor_workers.parallel_bad, 3, "attn", heads=4, timeout=30)
     err = info.value
-    assert time.perf_counter() - t0 < 30 and err.kind == "exception"
+    assert err.kind == "exception"            # raised on the ranks, not a hang reported by the timeout
     assert sorted(err.failures) == [0, 1, 2]
     assert all(f.exc_type == "ValueError" and "heads" in f.message for f in err.failures.values()), err
     assert not err.trace.filter(op=("all_reduce", "all_gather", "reduce_scatter"))
