@@ -16,11 +16,17 @@ def check(*ids: str, solutions: str = "exercises", timeout: float = 60.0):
     from .grading import report, session
 
     results = session.grade(solutions, list(ids) or None, timeout=timeout)
-    if solutions == "exercises":   # demos replay the learner's own run once its exercise passes
-        from reference.notebook import recorded
-        recorded.note_passed([r.exercise.id for r in results if r.score == r.max_score],
-                             [r.exercise.id for r in results if r.score < r.max_score])
+    if solutions == "exercises":
+        note_progress(results)
     return _Summary(results, report)
+
+
+def note_progress(results) -> None:
+    """Note which of the learner's exercises passed, so the notebooks' demos replay the learner's own run
+    once its exercise passes (and the recording again if it fails later)."""
+    from reference.notebook import recorded
+    recorded.note_passed([r.exercise.id for r in results if r.score == r.max_score],
+                         [r.exercise.id for r in results if r.score < r.max_score])
 
 
 _SEEN: dict[str, int] = {}     # exercise id -> hint tiers shown so far (1 if the stub's error shows tier 1)
@@ -85,7 +91,8 @@ def hint(exercise_id: str, tier: int | None = None) -> _Hint:
 
 class _Hint(str):
     def __new__(cls, exercise_id: str, tier: int, n: int, text: str, following: int):
-        more = (f" (hint(\"{exercise_id}\") again for hint {following})" if following <= n else " (the last one)")
+        more = (f" (hint(\"{exercise_id}\") again for hint {following})" if following <= n
+                else " (the last: a sketch of the answer)")
         obj = super().__new__(cls, f"Exercise {exercise_id}, hint {tier} of {n}{more}:\n{text}")
         obj.exercise_id, obj.tier, obj.n = exercise_id, tier, n
         return obj

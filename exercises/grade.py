@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     elapsed = time.perf_counter() - t0
+    if args.solutions == "exercises" and not (args.fresh_inputs or args.gradescope or args.junit):
+        from . import note_progress   # a learner grading in a terminal: the demos switch to their runs too
+        note_progress(results)
     # Written here, last, by this process — after every runner and stray process is gone.
     print(report.summary_text(results))
     print(f"({elapsed:.1f} s)")

@@ -72,7 +72,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["RankGrid", "AXES", "DENSE_ORDER", "EXPERT_ORDER", "rank_groups"]
+__all__ = ["RankGrid", "AxisGroups", "AXES", "DENSE_ORDER", "EXPERT_ORDER", "rank_groups"]
 
 DENSE_ORDER = ("tp", "cp", "dp", "pp")      # fastest-varying first
 EXPERT_ORDER = ("tp", "ep", "edp", "pp")
@@ -273,4 +273,11 @@ class RankGrid:
         """One line: what travels on ``axis``."""
         return _DESCRIPTIONS[axis]
 
+
+class AxisGroups(dict):
+    """This rank's process group on each axis, ``groups["dp_cp"]``; asking for an axis that is not
+    there says which are (a bare ``KeyError: 'x'`` would leave the learner guessing)."""
+
+    def __missing__(self, axis):
+        raise KeyError(f"no group {axis!r} here; the groups are {', '.join(map(repr, self))}")
 

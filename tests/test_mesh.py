@@ -296,3 +296,11 @@ def test_grader_names_the_order_read_the_wrong_way_round(tmp_path, monkeypatch):
     failed = [c.message for c in res.checks if not c.passed]
     assert any("FASTEST-varying" in m and "across nodes" in m for m in failed), failed
     assert res.score == 0                         # every value is wrong, so the error check does not count either
+
+
+def test_asking_for_an_axis_a_model_does_not_have_lists_the_ones_it_has():
+    from reference.mesh import AxisGroups
+    groups = AxisGroups(tp="g-tp", dp="g-dp", dp_cp="g-dp_cp")
+    assert groups["dp_cp"] == "g-dp_cp"
+    with pytest.raises(KeyError, match="no group 'edp' here; the groups are 'tp', 'dp', 'dp_cp'"):
+        groups["edp"]

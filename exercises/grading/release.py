@@ -84,6 +84,8 @@ def build_student(out: Path, ids=None, *, make_zip: bool = True, timeout: float 
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     copy_tree(STUDENT_PATHS, dest, STUDENT_LEAVE_OUT)
+    (dest / "README.md").write_text((ROOT / "docs" / "students.md").read_text())     # written for students
+    (dest / "Makefile").write_text(student_makefile((ROOT / "Makefile").read_text()))
     stripped = strip_solutions(dest, registry)
     torch.save(answers, dest / "exercises" / "grading" / "oracle_answers.pt")
     from reference.notebook import recorded
@@ -99,6 +101,21 @@ def build_student(out: Path, ids=None, *, make_zip: bool = True, timeout: float 
     print(f"student release: {dest} ({len(stripped)} graded functions delegated, {len(answers)} oracle answers, "
           f"{demos} recorded demos; reference graded in {graded:.1f} s)")
     return dest
+
+
+def student_makefile(text: str) -> str:
+    """The course's Makefile as a student needs it: ``make lab``, ``make grade`` (``IDS="3.2 4.4"`` for
+    some exercises) and ``make clean``; no test suite, release or bundle (their files are not there)."""
+    keep = []
+    for block in text.split("\n\n"):
+        first = next((ln for ln in block.splitlines() if ln.strip() and not ln.startswith("#")), "")
+        if first.startswith(("$(VENV)/.stamp-test", "test:", ".PHONY: release", "release:", "autograder:")):
+            continue
+        keep.append(block.replace(".PHONY: lab test clean", ".PHONY: lab grade clean")
+                    .replace("`make test` runs everything.", "`make grade` grades your exercises."))
+    keep.append("# Grade your exercises in a terminal (the notebooks' check() does the same): make grade IDS=\"3.2\"\n"
+                "grade: $(VENV)/.stamp-lab\n\t$(VPY) -m exercises.grade $(IDS)")
+    return "\n\n".join(b.rstrip("\n") for b in keep if b.strip()) + "\n"
 
 
 def _absolute_imports(text: str, package: str) -> str:

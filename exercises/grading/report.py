@@ -33,7 +33,7 @@ def summary_text(results: Sequence[ExerciseResult], *, show_hidden: bool = True)
         for c in ex.checks:
             if c.hidden and not show_hidden:
                 continue
-            mark = "PASS" if c.passed else "FAIL"
+            mark = "PASS" if c.passed else ("HELD" if c.held else "FAIL")
             tag = " (hidden)" if c.hidden else ""
             lines.append(f"  [{mark}] {c.name}{tag}  {_fmt(c.score)}/{_fmt(c.max_score)}  ({c.seconds:.1f} s)")
             if c.message:
@@ -52,7 +52,8 @@ def summary_html(results: Sequence[ExerciseResult]) -> str:
                      "<ul style='margin:2px 0'>")
         for c in ex.checks:
             # ✔/✘ are in the common text fonts (DejaVu); emoji fonts are often missing on Linux.
-            mark = ("<b style='color:#2e7d32'>✔ PASS</b>" if c.passed else "<b style='color:#c62828'>✘ FAIL</b>")
+            mark = ("<b style='color:#2e7d32'>✔ PASS</b>" if c.passed else
+                    "<b style='color:#ef6c00'>⏸ HELD</b>" if c.held else "<b style='color:#c62828'>✘ FAIL</b>")
             msg = (f"<pre style='white-space:pre-wrap;margin:2px 0 6px 0'>{html.escape(c.message)}</pre>"
                    if c.message else "")
             parts.append(f"<li>{mark} {html.escape(c.name)} <span style='color:#777'>"

@@ -105,12 +105,14 @@ def grade(solutions: str = "exercises", ids: Sequence[str] | None = None, *, inc
     """Grade ``solutions`` (a package laid out like ``exercises``) on the chosen exercises.
 
     Each exercise gets its own runner process (started while the previous exercise is graded);
-    ``timeout`` caps every check's time limit (default ``$GRADER_TIMEOUT`` or 60 s); ``deadline``
+    ``timeout`` caps every check's time limit (default ``$GRADER_TIMEOUT`` or 60 s; without either,
+    the limits grow on a slow or busy machine, see :func:`core.machine_factor`); ``deadline``
     caps the whole submission (seconds, default ``$GRADER_DEADLINE`` or 480): checks left when it
     runs out fail, saying so.  ``on_exercise(results so far)`` is called after each exercise (the
     command line writes results.json there, so a grader killed later still leaves a score).
     Raises :class:`SetupError` before any check if learner code cannot be run as configured.
     """
+    given = timeout is not None or "GRADER_TIMEOUT" in os.environ   # a limit given is taken as it is
     timeout = core.DEFAULT_TIMEOUT if timeout is None else timeout
     end = time.monotonic() + (core.DEADLINE if deadline is None else deadline)
     try:
@@ -128,6 +130,9 @@ def grade(solutions: str = "exercises", ids: Sequence[str] | None = None, *, inc
     if unknown:
         raise ValueError(f"unknown exercise id(s) {', '.join(unknown)}; known: {', '.join(registry)}")
     guard = _guard_pairs(registry, solutions)
+    factor = 1.0 if given else core.machine_factor()
+    if progress and factor > 1:
+        progress(f"(this machine is {factor:g}× slower or busier than the course's: every time limit × {factor:g})")
     results: list[ExerciseResult] = []
     started: list[Runner] = []
 
@@ -144,7 +149,7 @@ def grade(solutions: str = "exercises", ids: Sequence[str] | None = None, *, inc
             spare = [upcoming.proc.pid] if upcoming is not None and upcoming.proc is not None else []
             try:
                 results.append(_grade_exercise(registry[ex_id], solutions, runner, include_hidden, progress, timeout,
-                                               end))
+                                               end, factor))
             finally:
                 runner.kill()
                 sweep(keep=spare)
@@ -159,7 +164,7 @@ def grade(solutions: str = "exercises", ids: Sequence[str] | None = None, *, inc
 
 def _grade_exercise(ex: Exercise, solutions: str, runner: Runner, include_hidden: bool,
                     progress: Callable[[str], None] | None, timeout: float,
-                    end: float = float("inf")) -> ExerciseResult:
+                    end: float = float("inf"), factor: float = 1.0) -> ExerciseResult:
     """Run ``ex``'s checks in order with one runner.  A failing check never stops the others, but
     after a check ran out of time the rest are skipped (failed, with the reason), and so are the
     checks left when the submission's deadline ``end`` (``time.monotonic()``) has passed."""
@@ -177,7 +182,7 @@ def _grade_exercise(ex: Exercise, solutions: str, runner: Runner, include_hidden
         if progress:
             progress(f"{ex.id} {c.name} ...")
         t0 = time.perf_counter()
-        limit = min(c.timeout, timeout) if timeout else c.timeout
+        limit = (min(c.timeout, timeout) if timeout else c.timeout) * factor
         ctx = Context(solutions, ex, runner, max(1.0, min(limit, left - START_ALLOWANCE / 2)))
         try:
             c.fn(ctx)
@@ -201,7 +206,7 @@ def _grade_exercise(ex: Exercise, solutions: str, runner: Runner, include_hidden
                        if not c.requires_value and c.points > 0)
     for r, c in zip(checks, _run_checks(ex, include_hidden)):
         if c.requires_value and r.passed and not value_passed:
-            r.passed, r.score = False, 0.0
+            r.passed, r.score, r.held = False, 0.0, True
             r.message = ("this check passes, but its points count only once the same functions also "
                          "compute a correct result in another check of this exercise.")
     return ExerciseResult(ex, checks)

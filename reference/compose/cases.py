@@ -31,7 +31,7 @@ from torch import nn
 
 from .. import comm
 from ..gpt import batch_grads, get_batch
-from ..mesh import RankGrid
+from ..mesh import AxisGroups, RankGrid
 from ..pipeline import run_pipeline
 from .parallel_gpt import ParallelGPT, full_state_dict
 from .train import local_batch, sync_gradients
@@ -139,8 +139,8 @@ class GradView(nn.Module):
                  sequence_parallel: bool = False):
         super().__init__()
         self.grid = RankGrid(comm.world_size(), **sizes)
-        axes = ["tp", "cp", "dp_cp", "pp"] + (["ep", "edp"] if moe else [])     # as ParallelGPT makes them
-        self.groups = {axis: self.grid.group(axis) for axis in axes}
+        axes = ["tp", "cp", "dp", "dp_cp", "pp"] + (["ep", "edp"] if moe else [])     # as ParallelGPT makes them
+        self.groups = AxisGroups((axis, self.grid.group(axis)) for axis in axes)
         self.sequence_parallel = sequence_parallel and self.grid.tp > 1
         self.names = list(raw)
         self.kinds = dict(kinds)

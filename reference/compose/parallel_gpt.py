@@ -87,7 +87,7 @@ from torch import nn
 
 from .. import comm
 from ..gpt import MLP, GPTConfig, MoEMLP, TinyGPT
-from ..mesh import RankGrid
+from ..mesh import AxisGroups, RankGrid
 from ..moe import ExpertParallelMoE
 from ..pipeline import balanced_sizes
 from ..sequence import positions, ring_attention
@@ -302,8 +302,8 @@ class ParallelGPT(nn.Module):
         cfg = self.cfg = gpt.cfg
         me = self.coords = grid.coords()
         self.grid = grid
-        axes = ["tp", "cp", "dp_cp", "pp"] + (["ep", "edp"] if cfg.num_experts else [])
-        self.groups = {axis: grid.group(axis) for axis in axes}       # every rank, same order
+        axes = ["tp", "cp", "dp", "dp_cp", "pp"] + (["ep", "edp"] if cfg.num_experts else [])
+        self.groups = AxisGroups((axis, grid.group(axis)) for axis in axes)       # every rank, same order
         tp = self.groups["tp"]
         sp = self.sequence_parallel = sequence_parallel and grid.tp > 1
 

@@ -98,7 +98,7 @@ def sync_gradients(model: ParallelGPT) -> None:
         model.expert_params()              this rank's experts (lecture 5b; empty for a dense model)
         model.sequence_parallel_params()   replicated over tp but fed only S/tp rows each under
                                            sequence parallelism (empty without it); also in dense_params()
-        model.groups[axis]                 this rank's process group on "tp", "cp", "dp_cp", "pp",
+        model.groups[axis]                 this rank's process group on "tp", "cp", "dp", "dp_cp", "pp",
                                            and with experts "ep", "edp"
         model.grid                         the RankGrid (model.grid.dp, .cp, .tp, .ep, .edp, …)
 

@@ -99,6 +99,7 @@ class Recordable:
     needs: tuple[str, ...]
     variants: list[dict] = field(default_factory=list)
     ignore: tuple[str, ...] = ("world",)
+    story: Callable[[Any], list[str]] | None = None   # result -> how it contradicts the lesson's text
 
     def call_key(self, args: tuple, kwargs: dict) -> str:
         bound = inspect.signature(self.fn).bind(*args, **kwargs)
@@ -127,18 +128,32 @@ class Recordable:
         recorded = self.recordings().get(self.call_key(args, kwargs))
         if recorded is None:
             return self.fn(*args, **kwargs)
-        print(f"▶ recorded from the reference — once check(\"{self.needs[0]}\") passes, this cell replays "
-              f"your own run" if self.needs else "▶ recorded from the reference")
+        print(_replay_label(self.needs, passed_exercises()))
         return recorded
 
 
+def _replay_label(needs: Sequence[str], passed: set[str]) -> str:
+    """What a replayed cell says: which checks, not yet passed, would make it run the learner's own code."""
+    missing = [i for i in needs if i not in passed]
+    if not needs:
+        return "▶ recorded from the reference"
+    if not missing:   # every check passed, yet the learner's code is still a stub somewhere it needs
+        return "▶ recorded from the reference — your code reached a function still to be written"
+    calls = " and ".join(f'check("{i}")' for i in missing)
+    return f"▶ recorded from the reference — once {calls} pass{'es' if len(missing) == 1 else ''}, " \
+           f"this cell replays your own run"
+
+
 def recordable(key: str, *, needs: Sequence[str] = (), variants: Sequence[dict] = (),
-               ignore: Sequence[str] = ("world",)):
-    """Decorator: make a notebook demo recordable under ``key`` (see the module docstring)."""
+               ignore: Sequence[str] = ("world",), story: Callable[[Any], list[str]] | None = None):
+    """Decorator: make a notebook demo recordable under ``key`` (see the module docstring).
+
+    ``story(result)`` lists the ways a run contradicts what the notebook's text says of it (timings
+    on a loaded machine can); :func:`record_all` records again, then refuses to ship such a run."""
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         if key in REGISTRY and REGISTRY[key].fn.__qualname__ != fn.__qualname__:
             raise ValueError(f"two recordables share the key {key!r}")
-        rec = Recordable(key, fn, tuple(needs), [dict(v) for v in variants], tuple(ignore))
+        rec = Recordable(key, fn, tuple(needs), [dict(v) for v in variants], tuple(ignore), story)
         REGISTRY[key] = rec
 
         @functools.wraps(fn)
@@ -195,7 +210,7 @@ def record_all(dest: Path, keys: Sequence[str] | None = None, progress: Callable
             for kwargs in [{}] + rec.variants:
                 if progress:
                     progress(f"recording {key} {kwargs or ''}")
-                results[rec.call_key((), kwargs)] = rec.fn(**kwargs)
+                results[rec.call_key((), kwargs)] = _record_one(rec, kwargs)
                 n += 1
             torch.save(results, dest / f"{key}.pt")
     finally:
@@ -204,3 +219,18 @@ def record_all(dest: Path, keys: Sequence[str] | None = None, progress: Callable
         for world in pool.values():
             world.close()
     return n
+
+
+class StoryBroken(RuntimeError):
+    """A recording that, after every attempt, contradicts what its notebook says."""
+
+
+def _record_one(rec: Recordable, kwargs: dict, attempts: int = 3) -> Any:
+    """One recording of ``rec(**kwargs)`` whose story holds (``rec.story``), in at most ``attempts`` runs."""
+    for _ in range(attempts):
+        out = rec.fn(**kwargs)
+        broken = rec.story(out) if rec.story else []
+        if not broken:
+            return out
+    raise StoryBroken(f"{rec.key} {kwargs or ''}: {attempts} recordings contradict the notebook's text "
+                      f"({'; '.join(broken)}); record on a quieter machine")

@@ -75,12 +75,23 @@ class Link:
         return self._box.take(("activation", microbatch, self.stage))
 
     def send_activation(self, tensor: torch.Tensor, microbatch: int) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"stage {self.stage}: send_activation(…, {microbatch}) got {type(tensor).__name__}, not "
+                            "a tensor: send this stage's output for the micro-batch (detached).")
         self._box.post(("activation", microbatch, self.stage + 1), tensor, self)
 
     def recv_gradient(self, microbatch: int) -> torch.Tensor:
         return self._box.take(("gradient", microbatch, self.stage))
 
     def send_gradient(self, tensor: torch.Tensor, microbatch: int) -> None:
+        if tensor is None:
+            raise TypeError(f"stage {self.stage}: send_gradient(None, {microbatch}): the gradient of this stage's "
+                            "input is None. Likely cause: the activation received in forward_step was not made a "
+                            "leaf that requires grad (x = link.recv_activation(i).requires_grad_()), so backward "
+                            "never computed its gradient.")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"stage {self.stage}: send_gradient(…, {microbatch}) got {type(tensor).__name__}, not "
+                            "a tensor: send the gradient of this stage's input.")
         self._box.post(("gradient", microbatch, self.stage - 1), tensor, self)
 
 

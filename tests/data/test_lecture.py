@@ -1,5 +1,6 @@
 """Lecture 3 around the reference: the timeline widget's pure state, the stubs' contract, and the
 grader naming the classic mistakes of exercises 3.1-3.4 (a mutant solution package, graded once)."""
+import dataclasses
 import inspect
 import sys
 import textwrap
@@ -55,6 +56,23 @@ def test_every_frame_draws_and_an_empty_trace_says_what_to_record():
 
 GRADED = ["all_reduce_gradients", "assign_buckets", "grad_ready", "finish_buckets", "zero_step", "gather_full_params",
           "reduce_scatter_grad"]
+
+
+def test_the_overlap_story_is_checked_before_a_recording_ships():
+    """The release refuses a timeline that tells the opposite of the text: one bucket hiding its all-reduce,
+    or overlap off exposing less than overlap on (as a loaded machine once recorded)."""
+    from reference.data.lecture import ddp_story
+    one, on, off = Trace(synthetic(False)), synthetic(True), synthetic(False)
+    one = Trace(e for e in one if not (e.op == "all_reduce" and e.meta["bucket"] == 1))
+    runs = {"timelines": {"one bucket (25 MB)": {"trace": one}, "2 layers per bucket": {"trace": on},
+                          "2 layers per bucket, overlap=False": {"trace": off}}}
+    assert ddp_story(runs) == []
+    late = Trace(dataclasses.replace(e, end=e.end + 5e-3 * (e.op == "all_reduce"))
+                 for e in on)   # overlap on, now with the longer tail
+    runs["timelines"]["2 layers per bucket"]["trace"] = late
+    assert any("overlap off exposed less" in b for b in ddp_story(runs))
+    runs["timelines"]["one bucket (25 MB)"]["trace"] = on
+    assert any("one bucket hid" in b for b in ddp_story(runs))
 
 
 @pytest.mark.parametrize("name", GRADED)

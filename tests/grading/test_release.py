@@ -88,6 +88,26 @@ def test_no_distinctive_solution_line_survives_anywhere_in_the_release(built):
     assert checked >= len(GRADED)   # the scan looked at real solution lines
 
 
+def test_the_release_readme_is_the_students_and_everything_it_names_is_there(built):
+    import re
+    text = (built / "README.md").read_text()
+    assert "make lab" in text and "check(" in text and "hint(" in text and "make grade" in text
+    # no teacher's material: the tests, benchmarks and teachers' notes are not in a student's copy
+    for absent in ("tests/", "benchmarks/", "docs/teachers.md", "make test", "make release", "make autograder"):
+        assert absent not in text, absent
+    # every path it names exists in the release
+    named = set(re.findall(r"`((?:notebooks|exercises|reference|scripts)/[\w./-]*)`", text))
+    named |= {f"notebooks/{n}.ipynb" for n in re.findall(r"\| `(\d\d\w*_\w+)` \|", text)}
+    named |= {f"exercises/{f}" for f in re.findall(r"in `(\w+\.py)`", text)}
+    missing = sorted(n for n in named if not (built / n).exists())
+    assert named and not missing, missing
+    # and every make target it names is in the release's Makefile, which has no test suite to run
+    makefile = (built / "Makefile").read_text()
+    for target in set(re.findall(r"make (\w+)", text)):
+        assert re.search(rf"^{target}:", makefile, re.M), target
+    assert not re.search(r"^(test|release|autograder):", makefile, re.M)
+
+
 def test_release_has_no_hidden_checks_no_oracle_of_its_own_and_a_zip(built):
     assert not (built / "exercises" / "grading" / "hidden.py").exists()
     assert not (built / "exercises" / "grading" / "release.py").exists()

@@ -179,3 +179,26 @@ def test_feedback_names_the_classic_ring_mistakes(tmp_path, no_orphans):
     assert on4 and "the ring runs the other way round" in on4[0]["output"]
     uneven = [t for t in ex["0.2"] if "uneven" in t["name"]]
     assert uneven and "SIGABRT" in uneven[0]["output"] and "does not fit the buffer" in uneven[0]["output"]
+
+
+def test_time_limits_grow_on_a_slow_or_busy_machine_unless_a_limit_is_given(monkeypatch):
+    """Headroom: a check's limit was set on the course's idle 2-core machine; a laptop twice as slow, or
+    a machine running two other jobs per core, gets twice as long (at most 3×), a given limit stays."""
+    from exercises.grading import session
+    monkeypatch.delenv("GRADER_SLOWDOWN", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * (os.cpu_count() or 1), 0.0, 0.0))
+    assert core.machine_factor() == 3.0                                       # capped
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(core, "PROBE_SECONDS", 1e-9)
+    assert core.machine_factor() == 3.0                                       # the probe is slow
+    monkeypatch.setattr(core, "PROBE_SECONDS", 1e3)
+    assert core.machine_factor() == 1.0                                       # never less than the limit
+    monkeypatch.setenv("GRADER_SLOWDOWN", "2")
+    assert core.machine_factor() == 2.0
+    seen = []
+    ex = core.Exercise("9.9", "limits", "collectives", ["ring_all_reduce"])
+    ex.check("records its limit", timeout=20)(lambda ctx: seen.append(ctx.timeout))
+    session._grade_exercise(ex, "exercises", runner=None, include_hidden=False, progress=None, timeout=60,
+                            factor=core.machine_factor())
+    session._grade_exercise(ex, "exercises", runner=None, include_hidden=False, progress=None, timeout=5)
+    assert seen == [40.0, 5.0]

@@ -55,3 +55,34 @@ def test_in_a_release_the_recording_is_replayed_until_the_exercise_passes(demo, 
 def test_arguments_that_cannot_be_matched_are_refused(demo):
     with pytest.raises(TypeError, match="numbers, strings"):
         demo.recordable.call_key((), {"n": [object()]})
+
+
+def test_grading_in_a_terminal_notes_progress_as_check_does(tmp_path, monkeypatch, capsys):
+    """`make grade` is the notebooks' check() in a terminal: an exercise that fails there (the stub) is no
+    longer noted as passed; an autograder run (fresh inputs, a results file) notes nothing."""
+    from exercises import grade
+    monkeypatch.setattr(recorded, "progress_file", lambda: tmp_path / ".progress.json")
+    recorded.note_passed(["0.1", "9.9"])
+    assert grade.main(["0.1", "--quiet", "--no-hidden", "--junit", str(tmp_path / "r.xml")]) == 0
+    assert recorded.passed_exercises() == {"0.1", "9.9"}                        # a results file: untouched
+    assert grade.main(["0.1", "--quiet", "--no-hidden"]) == 0
+    assert recorded.passed_exercises() == {"9.9"}                               # the stub failed 0.1
+    assert "0.1" in capsys.readouterr().out
+
+
+def test_a_replayed_cell_names_every_check_still_to_pass():
+    label = recorded._replay_label(("5b.1", "5b.3"), {"5b.1"})
+    assert 'once check("5b.3") passes' in label and "5b.1" not in label
+    assert 'check("5b.1") and check("5b.3") pass,' in recorded._replay_label(("5b.1", "5b.3"), set())
+    assert "still to be written" in recorded._replay_label(("5b.1",), {"5b.1"})
+
+
+def test_a_recording_that_breaks_its_story_is_recorded_again_then_refused(demo, monkeypatch):
+    monkeypatch.setattr(recorded, "import_all", lambda package="reference": {"test.demo": demo.recordable})
+    verdicts = iter([["overlap off exposed less"], []])           # the second attempt tells the story
+    monkeypatch.setattr(demo.recordable, "story", lambda out: next(verdicts, []))
+    assert recorded.record_all(recorded.RECORDINGS, keys=["test.demo"], progress=None) == 2
+    assert len(CALLS) == 3
+    monkeypatch.setattr(demo.recordable, "story", lambda out: ["overlap off exposed less"])
+    with pytest.raises(recorded.StoryBroken, match="test.demo.*3 recordings.*overlap off exposed less"):
+        recorded.record_all(recorded.RECORDINGS, keys=["test.demo"], progress=None)

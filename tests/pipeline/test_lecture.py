@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from exercises.grading import session
+from tests.conftest import grade_mutant
 
 IDS = ["4.4", "4.5", "4.6"]
 
@@ -119,3 +120,70 @@ def test_the_grader_names_the_classic_mistake(mutants, who, ex_id, words):
     failed = [c.message for c in res.checks if not c.passed]
     assert any(words in m for m in failed), failed
     assert res.score < res.max_score
+
+
+ORDER_ONLY = '''
+from reference.pipeline.schedules import Action
+
+
+def one_f_one_b(num_stages, num_microbatches, stage):
+    p, m, s = num_stages, num_microbatches, stage
+    w = min(m, p - s - 1)
+    order = [Action("F", i) for i in range(w)]
+    for i in range(m - w):
+        order += [Action("F", w + i), Action("B", i)]
+    return order + [Action("B", i) for i in range(m - w, m)]
+
+
+def forward_step(*args, **kwargs):
+    raise NotImplementedError("Exercise 4.5 (forward_step): not written yet")
+
+
+def backward_step(*args, **kwargs):
+    raise NotImplementedError("Exercise 4.5 (backward_step): not written yet")
+'''
+
+
+def test_a_right_1f1b_order_earns_full_marks_before_exercise_4_5_is_written(tmp_path, monkeypatch):
+    """4.4 is graded on the order alone: its real-rank check runs the order with the grader's own steps."""
+    pkg = tmp_path / "order_only"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pipeline.py").write_text(ORDER_ONLY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        (res,) = session.grade("order_only", ["4.4"], include_hidden=True)
+    finally:
+        sys.modules.pop("order_only", None)
+    assert res.score == res.max_score, [(c.name, c.message[:300]) for c in res.checks if not c.passed]
+
+
+def test_a_forgotten_requires_grad_is_named_and_the_learners_own_line_shown(tmp_path, monkeypatch):
+    src = ORDER_ONLY.replace('''def forward_step(*args, **kwargs):
+    raise NotImplementedError("Exercise 4.5 (forward_step): not written yet")
+
+
+def backward_step(*args, **kwargs):
+    raise NotImplementedError("Exercise 4.5 (backward_step): not written yet")''', '''import torch
+
+
+def forward_step(module, microbatch, link, stash, *, inputs=None, target=None, loss_fn=None, num_microbatches=1):
+    x = inputs if link.is_first else link.recv_activation(microbatch)      # MISTAKE: no requires_grad_()
+    y = module(x)
+    if link.is_last:
+        loss = loss_fn(y, target) / num_microbatches
+        stash[microbatch] = (x, loss)
+        return loss.detach()
+    link.send_activation(y.detach(), microbatch)
+    stash[microbatch] = (x, y)
+
+
+def backward_step(microbatch, link, stash):
+    x, y = stash.pop(microbatch)
+    dy = None if link.is_last else link.recv_gradient(microbatch)
+    torch.autograd.backward(y, dy)
+    if not link.is_first:
+        link.send_gradient(x.grad, microbatch)''')
+    failed = grade_mutant(tmp_path, monkeypatch, "no_requires_grad", "pipeline", src, "4.5", hidden=False)
+    first = next(m for m in failed if "send_gradient" in m)
+    assert "requires grad" in first and "in your code:" in first and "no_requires_grad/pipeline.py" in first, first

@@ -56,12 +56,14 @@ HINTS = {
     "3.2": [T1_32,
             "assign_buckets: keep `filled` (bytes in the current bucket); a parameter starts a new bucket when "
             "the current one is non-empty and filled + its bytes > cap.",
-            "grad_ready: buckets must be posted in index order on every rank (collectives match by order), so after "
-            "counting, loop over buckets: `if b.work is not None: continue`; `if b.ready < len(b.params): break`; "
-            "else b.buffer = torch.cat([p.grad.reshape(-1) ...]) and b.work = comm.all_reduce_async(b.buffer, ...).",
-            "finish_buckets: post the unposted (zeros_like(p) where p.grad is None); then for each bucket "
-            "flat = b.work.wait() / N, and copy flat[offset:offset+p.numel()].view_as(p) into p.grad; reset "
-            "ready = 0, buffer = work = None."],
+            "grad_ready: collectives match by order, so every rank must post the same buckets in the same order "
+            "whatever order its gradients arrive in. After counting, walk the buckets from the first one not yet "
+            "posted and stop at the first that is still incomplete; posting one means packing its gradients into "
+            "one flat buffer and keeping the handle comm.all_reduce_async returns.",
+            "A sketch of finish_buckets: post whatever is still unposted (a missing gradient counts as zeros, so "
+            "every rank posts the same collectives); then, bucket by bucket, wait (the wait hands back the summed "
+            "buffer), divide by N and unpack each parameter's slice into its .grad (creating it where it is None); "
+            "leave every bucket ready for the next step."],
     "3.3": [T1_33,
             "Rank r owns flat elements [r·S, (r+1)·S), S = shard.numel(). Build a flat gradient of N·S zeros and copy "
             "each p.grad at its offset (parameters in order).",

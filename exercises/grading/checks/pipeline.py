@@ -127,10 +127,26 @@ def _(ctx):
 
 
 @ORDER.check("your order on 3 real ranks: no deadlock, every gradient equals one process's (m = 3 to 6)",
-             timeout=RANKS_TIMEOUT)
+             timeout=RANKS_TIMEOUT + 30)
 def _(ctx):
-    m = random.Random(salted_seed(43)).randint(3, 6)
-    _step_case(ctx, 3, "1f1b", m, {"seed": salted_seed(430)}, f"1F1B, p=3, m={m}")
+    """Graded on the order alone: the grader runs it with the reference's own forward and backward
+    steps (so 4.4 does not wait for 4.5).  The order is plain data the learner's function returned."""
+    p, m, seed = 3, random.Random(salted_seed(43)).randint(3, 6), salted_seed(430)
+    orders = []
+    for s in range(p):
+        got = _as_actions(ctx.local(f"{H}:call", "one_f_one_b", (p, m, s)))
+        if got is None:
+            raise CheckFailed(f"one_f_one_b({p}, {m}, stage={s}) must return a list of Action(kind, microbatch).")
+        orders.append(got)
+    out = ctx.oracle("reference.pipeline.oracles:run_order", orders, m, seed=seed)
+    if "error" in out:
+        raise CheckFailed(f"[1F1B, p={p}, m={m}] your order did not run on real ranks: {out['error']}")
+    truth = ctx.oracle("reference.pipeline.oracles:single_process_truth", m, num_stages=p, seed=seed)
+    ctx.compare(torch.tensor(float(out["loss"]), dtype=torch.float64), torch.tensor(truth["loss"], dtype=torch.float64),
+                "loss", atol=1e-12, rtol=1e-12, case=f"1F1B, p={p}, m={m}")
+    for name, want in truth["grads"].items():
+        ctx.compare(out["grads"].get(name), want, f"gradient of {name}", atol=1e-12, rtol=1e-10,
+                    case=f"1F1B, p={p}, m={m}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -351,8 +367,9 @@ HINTS = {
         "micro-batches are in flight below it when the last stage starts its first backward? After that, alternate.",
         "Warm-up: w = min(m, p − s − 1) forwards (the last stage: none). Then m − w pairs: the forward of the next "
         "micro-batch, then the backward of the oldest one in flight. Then the w backwards left.",
-        "order = [F(i) for i < w]; for i in range(m − w): order += [F(w + i), B(i)]; order += [B(i) for i in "
-        "range(m − w, m)], each as Action(\"F\", i) / Action(\"B\", i). Check it with simulate() and render().",
+        "A sketch: the warm-up forwards, the steady pairs, the cool-down backwards — every micro-batch once as F "
+        "and once as B, its F first. Draw your order for every stage with render() (the cell under exercise 4.4 "
+        "does): the last stage alternates from the start, the first stage fills the pipe.",
     ],
     "4.5": [
         "The first stage reads inputs, the others link.recv_activation(microbatch); run the module; the last stage "
@@ -361,9 +378,9 @@ HINTS = {
         "Forward: make the received activation a leaf that requires grad (x.requires_grad_()) so backward gives "
         "its gradient; the last stage's loss is loss_fn(y, target) / num_microbatches (the mean over the batch); "
         "stash[microbatch] = (x, y or loss); send y.detach().",
-        "Backward: x, y = stash.pop(microbatch) (pop frees it); dy = None on the last stage, else "
-        "link.recv_gradient(microbatch); torch.autograd.backward(y, dy); if not link.is_first: "
-        "link.send_gradient(x.grad, microbatch).",
+        "A sketch of the backward: pop this micro-batch's stash (popping frees it); the gradient of the output "
+        "comes from the next stage (the last stage starts from its loss); backpropagate it through the stashed "
+        "output, and every stage but the first sends its input's gradient back.",
     ],
     "4.6": [
         "Count in slots. While the first micro-batch travels down and the last one comes back, how many slots does "
