@@ -71,7 +71,7 @@ _grades: dict[str, tuple[list, float]] = {}
 COURSE_REQUESTS: dict[str, dict] = {}      # solutions -> {(exercise, check): digests of what it sent learner code}
 
 
-def grade_recording(solutions: str, secret: bytes | None = None):
+def grade_recording(solutions: str, secret: bytes | None = None, ids=None):
     """Grade the whole course (hidden checks included) on the published inputs (``secret`` None) or on
     fresh inputs from ``secret``; also {(exercise, check): digests of the requests it sent the runner}."""
     import hashlib
@@ -94,7 +94,7 @@ def grade_recording(solutions: str, secret: bytes | None = None):
     before = core._SALT
     sandbox.Runner.call, core._SALT = recording, secret
     try:
-        results = session.grade(solutions, include_hidden=True, progress=progress)
+        results = session.grade(solutions, ids, include_hidden=True, progress=progress)
     finally:
         sandbox.Runner.call, core._SALT = call, before
     return results, seen

@@ -141,7 +141,7 @@ def _replay_label(needs: Sequence[str], passed: set[str]) -> str:
         return "▶ recorded from the reference — your code reached a function still to be written"
     calls = " and ".join(f'check("{i}")' for i in missing)
     return f"▶ recorded from the reference — once {calls} pass{'es' if len(missing) == 1 else ''}, " \
-           f"this cell replays your own run"
+           f"running this cell again runs your own code"
 
 
 def recordable(key: str, *, needs: Sequence[str] = (), variants: Sequence[dict] = (),

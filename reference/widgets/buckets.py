@@ -141,7 +141,8 @@ def timeline_player(runs: dict, setting: str | None = None, n_steps: int = N_STE
     from .player import Player
     labels = list(runs)
     setting = setting or labels[0]
-    dropdown = W.Dropdown(options=labels, value=setting, description="buckets")
+    dropdown = W.Dropdown(options=labels, value=setting, description="buckets",
+                          layout=W.Layout(width="30em"))   # the longest setting shows whole
 
     def build(setting):
         tr = runs[setting]["trace"]

@@ -67,14 +67,17 @@ def test_the_no_overlap_attack_loses_exactly_the_overlap_check_and_is_told_why(f
 def test_the_reference_earns_full_marks_on_fresh_inputs_and_every_check_draws_new_ones(course_grades, no_orphans):
     published_results, _ = course_grades("reference")          # the published inputs, graded once per session
     published = COURSE_REQUESTS["reference"]
-    runs = [grade_recording("reference", os.urandom(32)) for _ in range(2)]
+    points = {(r.exercise.id, c.name): c.max_score for r in published_results for c in r.checks}
+    runs = [grade_recording("reference", os.urandom(32))]
+    same = {key for key, digests in published.items() if points.get(key, 0) > 0 and runs[0][1].get(key) == digests}
+    if same:   # a draw from a small set can repeat by chance: those exercises draw once more
+        runs.append(grade_recording("reference", os.urandom(32), sorted({ex for ex, _ in same})))
     for results, _ in [(published_results, None), *runs]:
         lost = [(r.exercise.id, c.name, c.message[:200]) for r in results for c in r.checks if not c.passed]
         assert not lost, lost
-    points = {(r.exercise.id, c.name): c.max_score for r in published_results for c in r.checks}
-    fixed = [key for key, digests in published.items() if points.get(key, 0) > 0
-             and all(seen.get(key) == digests for _, seen in runs)]
+    fixed = [key for key in same if all(seen.get(key) == published[key] for _, seen in runs)]
     assert not fixed, f"checks whose inputs do not change with the seed: {fixed}"
+    assert len(published) >= 100 and runs[0][1]   # the digests were recorded
 
 
 def test_make_autograder_refuses_a_bundle_whose_reference_loses_points_on_fresh_inputs(tmp_path):
