@@ -20,7 +20,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from . import core
+from . import core, machine
 from .core import (START_ALLOWANCE, Check, CheckFailed, CheckResult, CheckTimedOut, Context, Exercise, ExerciseResult,
                    _guard_pairs, _preload_reference, load_checks, load_oracle_answers)
 from .sandbox import Runner, preflight, remove_scratch
@@ -106,7 +106,7 @@ def grade(solutions: str = "exercises", ids: Sequence[str] | None = None, *, inc
 
     Each exercise gets its own runner process (started while the previous exercise is graded);
     ``timeout`` caps every check's time limit (default ``$GRADER_TIMEOUT`` or 60 s; without either,
-    the limits grow on a slow or busy machine, see :func:`core.machine_factor`); ``deadline``
+    the limits grow on a slow or busy machine, see :func:`machine.machine_factor`); ``deadline``
     caps the whole submission (seconds, default ``$GRADER_DEADLINE`` or 480): checks left when it
     runs out fail, saying so.  ``on_exercise(results so far)`` is called after each exercise (the
     command line writes results.json there, so a grader killed later still leaves a score).
@@ -130,7 +130,7 @@ def grade(solutions: str = "exercises", ids: Sequence[str] | None = None, *, inc
     if unknown:
         raise ValueError(f"unknown exercise id(s) {', '.join(unknown)}; known: {', '.join(registry)}")
     guard = _guard_pairs(registry, solutions)
-    factor = 1.0 if given else core.machine_factor()
+    factor = 1.0 if given else machine.machine_factor()
     if progress and factor > 1:
         progress(f"(this machine is {factor:g}× slower or busier than the course's: every time limit × {factor:g})")
     results: list[ExerciseResult] = []

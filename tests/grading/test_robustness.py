@@ -184,21 +184,21 @@ def test_feedback_names_the_classic_ring_mistakes(tmp_path, no_orphans):
 def test_time_limits_grow_on_a_slow_or_busy_machine_unless_a_limit_is_given(monkeypatch):
     """Headroom: a check's limit was set on the course's idle 2-core machine; a laptop twice as slow, or
     a machine running two other jobs per core, gets twice as long (at most 3×), a given limit stays."""
-    from exercises.grading import session
+    from exercises.grading import machine, session
     monkeypatch.delenv("GRADER_SLOWDOWN", raising=False)
     monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * (os.cpu_count() or 1), 0.0, 0.0))
-    assert core.machine_factor() == 3.0                                       # capped
+    assert machine.machine_factor() == 3.0                                       # capped
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    monkeypatch.setattr(core, "PROBE_SECONDS", 1e-9)
-    assert core.machine_factor() == 3.0                                       # the probe is slow
-    monkeypatch.setattr(core, "PROBE_SECONDS", 1e3)
-    assert core.machine_factor() == 1.0                                       # never less than the limit
+    monkeypatch.setattr(machine, "PROBE_SECONDS", 1e-9)
+    assert machine.machine_factor() == 3.0                                       # the probe is slow
+    monkeypatch.setattr(machine, "PROBE_SECONDS", 1e3)
+    assert machine.machine_factor() == 1.0                                       # never less than the limit
     monkeypatch.setenv("GRADER_SLOWDOWN", "2")
-    assert core.machine_factor() == 2.0
+    assert machine.machine_factor() == 2.0
     seen = []
     ex = core.Exercise("9.9", "limits", "collectives", ["ring_all_reduce"])
     ex.check("records its limit", timeout=20)(lambda ctx: seen.append(ctx.timeout))
     session._grade_exercise(ex, "exercises", runner=None, include_hidden=False, progress=None, timeout=60,
-                            factor=core.machine_factor())
+                            factor=machine.machine_factor())
     session._grade_exercise(ex, "exercises", runner=None, include_hidden=False, progress=None, timeout=5)
     assert seen == [40.0, 5.0]
