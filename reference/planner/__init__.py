@@ -1,8 +1,13 @@
 """Lecture 5c — the parallelism planner: where does a model run out of room, and what composition fixes it?
 
 Read in this order: :mod:`.model` (the three inputs, and the course's tiny GPT described with them),
-:mod:`.counts` (the formulas below, one device at a time), :mod:`.plan` (one composition's plan,
-and the search).  Every name is importable from ``reference.planner``.
+:mod:`.counts` (the formulas below, one device at a time), :mod:`.plan` (one composition's plan),
+:mod:`.search` (every composition, ranked, and why one beats another).  The time from first
+principles: :mod:`.hardware` (GPU presets, every figure cited), :mod:`.kernels` (a GEMM's time from its
+shape, attention's core, element-wise bytes), :mod:`.collectives` (α + bytes/β), :mod:`.layout`
+(stage layouts, schedules, activations in flight), :mod:`.timing` (the step).  :mod:`.runs` holds the
+published runs the planner is checked against (``benchmarks/planner.py`` prints the table).  Every
+name is importable from ``reference.planner``.
 
 Pure arithmetic on three dataclasses: a :class:`Model`, a :class:`Cluster` and a
 :class:`Composition` (dp × tp × pp × cp, ep for the experts, ZeRO stage, recomputation,
@@ -29,7 +34,8 @@ Memory per device (bytes)
         s·b·h·34/t                                + selective recomputation (or flash attention)
         2·s·b·h/t                                 full recomputation (layer inputs only)
       with context parallelism every s·b·h term uses s/c and the score term a·(s/c)·s·b; 1F1B
-      keeps min(m, p − stage) micro-batches of the stage's layers alive (the first stage: min(m, p)).
+      keeps min(m, p − stage) micro-batches of the stage's layers alive (the first stage: min(m, p));
+      interleaved, 2(p−k−1) + (v−1)·p + 1 chunk-forwards (Korthikanti §4.2.3, :mod:`.layout`).
       MoE layers: the experts' FFN internals for k·cf·s·b tokens, and the dispatched tokens (the
       experts' input) and the experts' output (for the gate's gradient), k·cf·s·b·h each.
       ``Model.stats_bytes`` > 0 also counts what Korthikanti leaves out: the norms' per-token
@@ -53,7 +59,12 @@ Communication per device per step (ring algorithms; what one device sends)
     ep    4 all-to-alls per MoE layer per micro-batch (dispatch, combine, and their backward),
           each sending (e−1)/e of k·tokens·h (perfect balance); ``Plan.ep_payload`` is what the
           dispatch and the combine's backward are handed, k·cf·tokens·h each, routing-independent
-Time: compute = FLOPs / (devices · peak · MFU), FLOPs = (6·N_active + 6·L·s·h)·tokens (Kaplan et al.
+Time, first principles (a cluster with its device figures, e.g. ``Cluster.preset("a100-80gb-sxm", n)``,
+and no ``mfu``): kernels from their shapes on a roofline, each collective and message α + bytes/β,
+exposed communication per axis with an overlap switch each, the bubble of GPipe, 1F1B, interleaved
+1F1B and ZB-H1, recomputation by granularity, MFU and HFU — :mod:`.timing` states the equations.
+Time, simple (a hand-made Cluster, or ``mfu`` given):
+compute = FLOPs / (devices · peak · MFU), FLOPs = (6·N_active + 6·L·s·h)·tokens (Kaplan et al.
 arXiv:2001.08361; 8 instead of 6 with full recomputation: one more forward), stretched by the bubble (p−1)/(v·m + p−1);
 tp, pp and ep traffic is in the critical path; dp traffic overlaps the backward (2/3 of the
 compute) and cp traffic the attention compute (6·L·s·h per token): only what exceeds them is exposed.
@@ -75,18 +86,24 @@ Validated on the tiny GPT (``tests/planner/test_measured.py``, :func:`tiny_gpt`,
 bytes per axis per step exactly, parameters, gradients and optimizer state exactly, activations
 within a few per cent (``reference.compose.memory`` says what is not counted).
 
-Not counted: temporary buffers, communication buckets, allocator fragmentation, the CUDA context,
-integer and boolean tensors saved for the backward (ids, routing indices, masks other than
-dropout's), latency of small messages, imbalance between experts.
+Not counted: temporary buffers, communication buckets, allocator fragmentation, the CUDA context
+(a preset keeps ``Cluster.memory_margin`` free for them instead), integer and boolean tensors saved
+for the backward (ids, routing indices, masks other than dropout's), imbalance between experts; and
+in the simple time model, latency of small messages.
 """
 from __future__ import annotations
 
 from .counts import (activation_bytes_per_layer, active_params, all_to_all_bytes, allreduce_bytes, bubble_fraction,
                      device_params, model_state_bytes, output_layer_bytes, padded_vocab, param_counts, stage_layers)
+from .hardware import PRESETS
 from .model import GB, Cluster, Composition, Model, cpu_cluster, tiny_gpt
-from .plan import Plan, check_composition, plan, search, with_sizes
+from .plan import Plan, check_composition, plan, with_sizes
+from .search import divisors, explain, search, time_terms
+from .timing import StepTime, model_flops
+
+preset = Cluster.preset
 
 __all__ = ["Model", "Cluster", "Composition", "Plan", "param_counts", "active_params", "device_params", "stage_layers",
            "padded_vocab", "model_state_bytes", "activation_bytes_per_layer", "output_layer_bytes", "allreduce_bytes",
            "all_to_all_bytes", "bubble_fraction", "check_composition", "plan", "search", "with_sizes", "tiny_gpt",
-           "cpu_cluster", "GB"]
+           "cpu_cluster", "GB", "PRESETS", "preset", "divisors", "explain", "time_terms", "StepTime", "model_flops"]

@@ -1,6 +1,11 @@
 """The planner's inputs: a :class:`Model` to train, a :class:`Cluster` to train it on, a
 :class:`Composition` of the axes — and the course's own tiny GPT and CPU worlds described the same way
-(:func:`tiny_gpt`, :func:`cpu_cluster`).  The formulas are in :mod:`.counts`, the plan in :mod:`.plan`."""
+(:func:`tiny_gpt`, :func:`cpu_cluster`).  The formulas are in :mod:`.counts`, the plan in :mod:`.plan`.
+
+A Cluster built by hand with only peak FLOP/s and link bandwidths is timed the simple way (compute at a
+fixed ``mfu``, 0.4 unless given).  A Cluster with the device's memory bandwidth and SM count — every
+:meth:`Cluster.preset` (:mod:`.hardware`) — is timed from first principles (:mod:`.kernels`,
+:mod:`.collectives`, :mod:`.timing`) unless ``mfu`` is given as an override."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,6 +49,7 @@ class Model:
     sp_saves_gathered: bool = False  # with SP, column-parallel layers (qkv, fc1, head) keep their all-gathered
     #                                 input, s·b·h (Megatron keeps the s·b·h/t shard and gathers it again)
     source: str = ""
+    causal: bool = True             # causal attention: flash kernels skip the masked half of the scores
 
     @property
     def moe_layers(self) -> int:
@@ -68,8 +74,36 @@ class Cluster:
     intra_bw: float                 # bytes/s one device sends inside a node
     inter_bw: float                 # bytes/s one device sends to other nodes
     devices_per_node: int
-    mfu: float = 0.4                # achieved fraction of peak
+    mfu: float | None = None        # achieved fraction of peak: an override.  None: from the device model
+    #                                 (kernels, links) when the cluster has its figures, else 0.4
     source: str = ""
+    # --- the device's figures for the first-principles time model (0: not given; see .hardware)
+    hbm_bw: float = 0.0             # bytes/s of device memory (the roofline's slope)
+    sms: int = 0                    # streaming multiprocessors: one GEMM tile each per wave
+    gemm_ceiling: float = 0.0       # fraction of peak the best-shaped large GEMM reaches (a GEMM benchmark)
+    attention_ceiling: float = 0.0  # fraction of peak a flash-attention kernel reaches
+    intra_efficiency: float = 1.0   # achieved / link bandwidth of a large collective inside a node
+    inter_efficiency: float = 1.0   # the same across nodes
+    alpha_intra: float = 0.0        # seconds per message step inside a node (latency)
+    alpha_inter: float = 0.0        # seconds per message step across nodes
+    memory_margin: float = 0.0      # bytes per device kept free: CUDA context, NCCL buffers, fragmentation
+
+    @property
+    def first_principles(self) -> bool:
+        """Time from the device model (kernels, links), not from a fixed MFU."""
+        return self.mfu is None and self.hbm_bw > 0 and self.sms > 0
+
+    @property
+    def fixed_mfu(self) -> float:
+        """The MFU the simple time model uses: ``mfu`` if given, else 0.4."""
+        return 0.4 if self.mfu is None else self.mfu
+
+    @classmethod
+    def preset(cls, name: str, devices: int, **overrides) -> Cluster:
+        """``devices`` GPUs of a known kind, every figure cited (:mod:`.hardware`): "a100-80gb-sxm",
+        "h100-80gb-sxm".  ``overrides`` replace any field (e.g. ``inter_bw=`` for another network)."""
+        from .hardware import preset_fields
+        return cls(**preset_fields(name, devices, **overrides))
 
 
 @dataclass(frozen=True)
@@ -85,6 +119,19 @@ class Composition:
     sequence_parallel: bool = True  # Megatron SP alongside tp
     micro_batches: int | None = None   # m; default global_batch / (dp · b)
     virtual_stages: int = 1         # interleaved 1F1B (v model chunks per device)
+    # --- added for the time model (issue 24); the defaults keep the plans above unchanged
+    micro_batch: int | None = None  # b for this composition; None: the model's micro_batch
+    schedule: str = "1f1b"          # "gpipe" | "1f1b" | "zb_h1"; virtual_stages > 1 is interleaved 1F1B
+    stage_layout: tuple[int, ...] | None = None   # layers per virtual stage in model order (pp·v entries);
+    #                                 a 0 first/last entry is a chunk holding only the embedding / the loss
+    scatter_gather: bool = False    # pipeline activations sent as 1/t slices, all-gathered after (Narayanan §4.1)
+    dp_overlap: bool = True         # gradient buckets reduced during the backward (torch DDP); False: after it
+    #                                 (Megatron's local DDP, Narayanan Table 1 runs with pp > 1)
+    fsdp_prefetch: bool = True      # ZeRO-3: gather the next layer's parameters during this layer's compute
+    tp_overlap: bool = False        # tp collectives hidden behind GEMMs (TransformerEngine); default exposed
+    cp_algorithm: str = "ring"      # "ring" (K/V passed, overlapped) | "allgather" (K/V gathered, exposed) |
+    #                                 "ulysses" (all-to-all of heads, exposed)
+    distributed_optimizer: bool = False   # optimizer state sharded over dp·cp (Megatron's; ZeRO-1 memory)
 
     def __str__(self) -> str:
         axes = " ".join(f"{k}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp),
@@ -92,6 +139,11 @@ class Composition:
         extra = [f"ZeRO-{self.zero}"] if self.zero else []
         extra += [f"{self.recompute} recompute"] if self.recompute != "none" else []
         extra += ["flash"] if self.flash else []
+        extra += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
+        extra += [f"b{self.micro_batch}"] if self.micro_batch else []
+        extra += [self.schedule] if self.schedule != "1f1b" else []
+        extra += ["distributed optimizer"] if self.distributed_optimizer else []
+        extra += [f"cp {self.cp_algorithm}"] if self.cp > 1 and self.cp_algorithm != "ring" else []
         return axes + (" (" + ", ".join(extra) + ")" if extra else "")
 
 

@@ -1,18 +1,22 @@
-"""The plan of one composition (memory, bytes and time per axis, the bubble, what runs out first),
-and the search over every composition a model and a cluster allow."""
+"""The plan of one composition (memory, bytes and time per axis, the bubble, what runs out first).
+The search over every composition a model and a cluster allow is in :mod:`.search`.
+
+Time: a cluster with its device figures (every ``Cluster.preset``) is timed from first principles by
+:mod:`.timing`; one without them, or with ``mfu`` given, by the simple model of the package docstring
+(compute at a fixed MFU, tp/pp/ep in the critical path, dp and cp hidden up to their windows)."""
 from __future__ import annotations
 
-import itertools
-import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..mesh import RankGrid
 from .counts import (_stage_params, activation_bytes_per_layer, active_params, allreduce_bytes, bubble_fraction,
-                     model_state_bytes, output_layer_bytes, stage_layers)
+                     model_state_bytes, output_layer_bytes)
+from .layout import check_layout, chunk_layers, chunks_in_flight, device_chunks
 from .model import GB, Cluster, Composition, Model
+from .timing import model_flops, step_time
 
-__all__ = ["Plan", "check_composition", "plan", "search", "with_sizes"]
+__all__ = ["Plan", "check_composition", "plan", "with_sizes"]
 
 
 # ---------------------------------------------------------------------------------- the plan
@@ -34,6 +38,11 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     stage: int | None = None            # the pipeline stage described (None: the busiest of each entry)
     ep_payload: float = 0.0             # bytes handed to the dispatch + combine-backward all-to-alls per step
+    exposed: dict[str, float] = field(default_factory=dict)   # axis → seconds of communication not hidden
+    mfu: float = 0.0                    # model FLOPs / (step · devices · peak)
+    hfu: float = 0.0                    # the same with recomputed FLOPs counted
+    optimizer_time: float = 0.0         # the optimizer step (first-principles model only)
+    bubble_time: float = 0.0            # seconds the slowest device idles in the pipeline's fill and drain
 
     @property
     def total_memory(self) -> float:
@@ -41,15 +50,17 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.total_memory <= self.cluster.memory
+        """Everything fits in the device's memory less the cluster's stated margin."""
+        return self.total_memory <= self.cluster.memory - self.cluster.memory_margin
 
     def summary(self) -> str:
         mem = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.memory.items())
         com = ", ".join(f"{k} {self.comm_bytes[k] / GB:.2f} GB/{self.comm_time[k]:.2f}s {self.link[k]}"
                         for k in self.comm_bytes)
+        util = f"; MFU {self.mfu:.0%}, HFU {self.hfu:.0%}" if self.mfu else ""
         return (f"{self.comp}: {self.total_memory / GB:.1f} of {self.cluster.memory / GB:.0f} GB "
                 f"({mem}); step ≈ {self.step_time:.2f} s (compute {self.compute_time:.2f} s, bubble "
-                f"{self.bubble:.0%}; {com or 'no communication'}); runs out first: {self.bottleneck}")
+                f"{self.bubble:.0%}; {com or 'no communication'}{util}); runs out first: {self.bottleneck}")
 
 
 def check_composition(model: Model, cluster: Cluster, comp: Composition) -> None:
@@ -66,16 +77,22 @@ def check_composition(model: Model, cluster: Cluster, comp: Composition) -> None
     if model.heads % comp.tp or model.kv_heads % comp.tp and comp.tp % model.kv_heads:
         raise ValueError(f"tp={comp.tp} must divide heads={model.heads} (and kv_heads={model.kv_heads} "
                          "divide or be divided by it)")
-    if comp.pp * comp.virtual_stages > model.layers:
-        raise ValueError(f"pp={comp.pp} × virtual_stages={comp.virtual_stages} is more than layers={model.layers}")
+    check_layout(model, comp)
     if comp.cp > 1 and model.seq_len % (2 * comp.cp):
         raise ValueError(f"seq_len={model.seq_len} must divide into 2·cp={2 * comp.cp} zigzag chunks")
+    if comp.cp_algorithm not in ("ring", "allgather", "ulysses"):
+        raise ValueError(f"cp_algorithm={comp.cp_algorithm!r}: choose ring, allgather or ulysses")
+    if comp.cp > 1 and comp.cp_algorithm == "ulysses" and model.heads % (comp.tp * comp.cp):
+        raise ValueError(f"Ulysses needs tp·cp = {comp.tp * comp.cp} to divide heads={model.heads}")
+    if comp.micro_batch is not None and comp.micro_batch < 1:
+        raise ValueError(f"micro_batch={comp.micro_batch} must be at least 1")
     if comp.ep > 1 and (model.num_experts % comp.ep or (comp.dp * comp.cp) % comp.ep):
         raise ValueError(f"ep={comp.ep} must divide num_experts={model.num_experts} "
                          f"and dp·cp={comp.dp * comp.cp}")
-    if model.global_batch % (comp.dp * model.micro_batch):
+    b = comp.micro_batch or model.micro_batch
+    if model.global_batch % (comp.dp * b):
         raise ValueError(f"global_batch={model.global_batch} sequences do not split into dp={comp.dp} "
-                         f"× micro_batch={model.micro_batch}")
+                         f"× micro_batch={b}")
 
 
 @lru_cache(maxsize=4096)
@@ -85,17 +102,20 @@ def _links(world: int, dp: int, tp: int, pp: int, cp: int, ep: int, per_node: in
             for axis in ("dp_cp", "tp", "pp", "cp", "ep", "edp")}
 
 
-def _stage_entries(model: Model, comp: Composition, m: int, n_layers: int, n_moe: int, first: bool, last: bool
-                   ) -> tuple[dict, dict, float]:
-    """Memory (activations for ONE micro-batch in flight) and bytes per axis of one device of a stage."""
+def _stage_entries(model: Model, comp: Composition, m: int, n_layers: int, n_moe: int, first: bool, last: bool,
+                   crossings: int | None = None) -> tuple[dict, dict, float, tuple[float, float]]:
+    """Memory (activations for ONE micro-batch in flight), bytes per axis and (dense, expert) parameters
+    of one device of a stage.  ``crossings``: pipeline boundaries its chunks send across per micro-batch
+    (default: one before the stage unless first, one after unless last)."""
     t, p, c, e = comp.tp, comp.pp, comp.cp, comp.ep
     s, b, h = model.seq_len, model.micro_batch, model.hidden
     sp = comp.sequence_parallel and t > 1
     dense, experts, replicated = _stage_params(model, t, e, n_layers, n_moe, first, last)
     kw = dict(param_bytes=model.param_bytes, grad_bytes=model.grad_bytes, optimizer_bytes=model.optimizer_bytes)
-    states = model_state_bytes(dense, comp.zero, comp.dp * c, **kw)
+    zero = max(comp.zero, 1) if comp.distributed_optimizer else comp.zero
+    states = model_state_bytes(dense, zero, comp.dp * c, **kw)
     if experts:
-        for k, v in model_state_bytes(experts, comp.zero, comp.dp * c // e, **kw).items():
+        for k, v in model_state_bytes(experts, zero, comp.dp * c // e, **kw).items():
             states[k] += v
     akw = dict(tp=t, cp=c, sequence_parallel=comp.sequence_parallel, flash=comp.flash)
     per_mb = ((n_layers - n_moe) * activation_bytes_per_layer(model, recompute=comp.recompute, **akw)
@@ -124,8 +144,9 @@ def _stage_entries(model: Model, comp: Composition, m: int, n_layers: int, n_moe
         comm["tp"] = m * (act * (per_layer + first + last) + loss) \
             + (allreduce_bytes(replicated * g_b, t) if sp else 0.0)
     if p > 1:
-        boundary = s / c * b * h * e_b / (t if comp.sequence_parallel else 1)
-        comm["pp"] = ((not first) + (not last)) * m * boundary
+        boundary = s / c * b * h * e_b / (t if comp.sequence_parallel or comp.scatter_gather else 1)
+        crossings = ((not first) + (not last)) if crossings is None else crossings
+        comm["pp"] = crossings * m * boundary
     if c > 1:
         kv_block = 2 * s / c * b * model.kv_heads * (h // model.heads) * e_b / t
         passes = 4 if comp.recompute == "full" else 3
@@ -135,42 +156,50 @@ def _stage_entries(model: Model, comp: Composition, m: int, n_layers: int, n_moe
         tokens = s / c * b / (t if comp.sequence_parallel else 1)
         payload = 2 * n_moe * m * kcf * tokens * h * e_b
         comm["ep"] = 2 * payload * (e - 1) / e
-    return memory, {k: v for k, v in comm.items() if v > 0}, payload
+    return memory, {k: v for k, v in comm.items() if v > 0}, payload, (dense, experts)
 
 
 def plan(model: Model, cluster: Cluster, comp: Composition, *, stage: int | None = None) -> Plan:
     """Memory, communication, time and the first resource to run out, for one composition.
 
     ``stage``: describe one device of that pipeline stage; None (default): each entry from the
-    stage where it is largest (see the module docstring).
+    stage where it is largest (see the module docstring).  ``comp.micro_batch`` (if given) replaces
+    the model's micro-batch size: ``Plan.model`` is the model with it.
     """
     check_composition(model, cluster, comp)
-    t, p, c, e = comp.tp, comp.pp, comp.cp, comp.ep
+    if comp.micro_batch:
+        model = replace(model, micro_batch=comp.micro_batch)
+    t, p, c, e, v = comp.tp, comp.pp, comp.cp, comp.ep, comp.virtual_stages
     m = comp.micro_batches or model.global_batch // (comp.dp * model.micro_batch)
     s, h = model.seq_len, model.hidden
     if stage is not None and not 0 <= stage < p:
         raise ValueError(f"stage={stage} is not one of the pp={p} stages")
-    # --- memory and bytes, stage by stage (stages with the same layers give the same entries)
+    # --- memory and bytes, device by device (devices with the same chunks give the same entries)
+    chunks = chunk_layers(model, comp)
+    last_chunk = p * v - 1
     seen: dict[tuple, tuple] = {}
     memory: dict[str, float] = {}
     comm: dict[str, float] = {}
-    payload, best_states = 0.0, -1.0
+    payload, best_states, held = 0.0, -1.0, (0.0, 0.0)
     for k in (range(p) if stage is None else (stage,)):
-        n, moe = stage_layers(model, p, k)
-        key = (n, moe, k == 0, k == p - 1)
+        mine = device_chunks(comp, k)
+        n, moe = sum(chunks[x][0] for x in mine), sum(chunks[x][1] for x in mine)
+        crossings = sum((x != 0) + (x != last_chunk) for x in mine)
+        key = (n, moe, k == 0, k == p - 1, crossings)
         if key not in seen:
             seen[key] = _stage_entries(model, comp, m, *key)
-        mem_k, comm_k, payload_k = seen[key]
-        mem_k = dict(mem_k, activations=mem_k["activations"] * min(m, p - k))      # 1F1B: micro-batches in flight
+        mem_k, comm_k, payload_k, params_k = seen[key]
+        # micro-batches (interleaved: chunk-forwards of n/v layers each) whose activations are alive
+        mem_k = dict(mem_k, activations=mem_k["activations"] * chunks_in_flight(comp, k, m) / v)
         states = mem_k["params"] + mem_k["grads"] + mem_k["optimizer"]
         if states > best_states:
-            best_states = states
+            best_states, held = states, params_k
             memory.update({x: mem_k[x] for x in ("params", "grads", "optimizer")})
         for x in ("activations", "recompute", "logits"):
             if x in mem_k:
                 memory[x] = max(memory.get(x, 0.0), mem_k[x])
-        for x, v in comm_k.items():
-            comm[x] = max(comm.get(x, 0.0), v)
+        for x, val in comm_k.items():
+            comm[x] = max(comm.get(x, 0.0), val)
         payload = max(payload, payload_k)
     memory = {x: memory[x] for x in ("params", "grads", "optimizer", "activations", "recompute", "logits")
               if x in memory}
@@ -179,85 +208,66 @@ def plan(model: Model, cluster: Cluster, comp: Composition, *, stage: int | None
     axis_link = dict(dp=links["dp_cp"], edp=links["edp"], tp=links["tp"], pp=links["pp"], cp=links["cp"],
                      ep=links["ep"])
     link = {k: axis_link[k] for k in comm}
-    comm_time = {k: v / (cluster.intra_bw if link[k] == "intra" else cluster.inter_bw) for k, v in comm.items()}
-    # --- compute and the step
+    comm_time = {k: val / (cluster.intra_bw if link[k] == "intra" else cluster.inter_bw) for k, val in comm.items()}
+    mf, hf = model_flops(model, comp.recompute)
+    if cluster.first_principles:
+        st = step_time(model, cluster, comp, axis_link, m, model.micro_batch, *held)
+        result = Plan(model, cluster, comp, m, memory, comm, comm_time, link,
+                      st.bubble / st.pipeline if st.pipeline else 0.0, st.compute, st.step, "", stage=stage,
+                      ep_payload=payload, exposed=st.exposed, mfu=st.mfu, hfu=st.hfu, optimizer_time=st.optimizer,
+                      bubble_time=st.bubble)
+        result.bottleneck, result.reasons = _diagnose(result)
+        return result
+    # --- the simple model: compute at a fixed MFU, stretched by the bubble
     tokens = model.global_batch * s
     n_act = active_params(model)
     flops = (8 if comp.recompute == "full" else 6) * (n_act + model.layers * s * h) * tokens
-    compute = flops / (cluster.devices * cluster.flops * cluster.mfu)
-    bubble = bubble_fraction(p, m, comp.virtual_stages) if p > 1 else 0.0
+    compute = flops / (cluster.devices * cluster.flops * cluster.fixed_mfu)
+    bubble = bubble_fraction(p, m, v) if p > 1 else 0.0
     busy = compute / (1 - bubble)
-    critical = sum(comm_time.get(k, 0.0) for k in ("tp", "pp", "ep"))
+    critical = {k: comm_time[k] for k in ("tp", "pp", "ep") if k in comm_time}
     # gradients reduce during the backward (2/3 of the compute); K/V blocks travel during attention
     attention = compute * model.layers * s * h / (n_act + model.layers * s * h)
-    exposed = (max(0.0, comm_time.get("dp", 0.0) + comm_time.get("edp", 0.0) - 2 / 3 * compute)
-               + max(0.0, comm_time.get("cp", 0.0) - attention))
-    step = busy + critical + exposed
+    hidden = {"dp": max(0.0, comm_time.get("dp", 0.0) + comm_time.get("edp", 0.0) - 2 / 3 * compute),
+              "cp": max(0.0, comm_time.get("cp", 0.0) - attention)}
+    exposed = {**critical, **{k: x for k, x in hidden.items() if x > 0}}
+    step = busy + sum(exposed.values())
+    peak = step * cluster.devices * cluster.flops
     result = Plan(model, cluster, comp, m, memory, comm, comm_time, link, bubble, compute, step, "",
-                  stage=stage, ep_payload=payload)
-    result.bottleneck, result.reasons = _diagnose(result, busy - compute, critical, exposed)
+                  stage=stage, ep_payload=payload, exposed=exposed, mfu=mf / peak, hfu=hf / peak,
+                  bubble_time=busy - compute)
+    result.bottleneck, result.reasons = _diagnose(result)
     return result
 
 
-def _diagnose(pl: Plan, bubble_time: float, critical: float, exposed: float) -> tuple[str, list[str]]:
-    cap, mem = pl.cluster.memory, pl.memory
+def _diagnose(pl: Plan) -> tuple[str, list[str]]:
+    """What runs out first, and the reasons: the memory verdict, then every time term largest first."""
+    cap, mem = pl.cluster.memory - pl.cluster.memory_margin, pl.memory
     states = mem["params"] + mem["grads"] + mem["optimizer"]
     acts = pl.total_memory - states
+    margin = f" (after a {pl.cluster.memory_margin / GB:.0f} GB margin)" if pl.cluster.memory_margin else ""
     reasons = []
     if not pl.fits:     # model states are the fixed cost: no batch size makes them fit
         alone = states > cap
         what = "model states (parameters, gradients, optimizer)" if alone else "activations"
         fix = ("shard them: ZeRO over dp, tp, pp (ep for experts)" if alone else
                "recompute, or split the sequence (tp with SP, cp), or smaller micro-batches")
-        reasons.append(f"needs {pl.total_memory / GB:.1f} GB > {cap / GB:.0f} GB per device: model states "
+        reasons.append(f"needs {pl.total_memory / GB:.1f} GB > {cap / GB:.0f} GB per device{margin}: model states "
                        f"{states / GB:.1f} GB, activations {acts / GB:.1f} GB; {what} run out first — {fix}")
         return "memory: " + what, reasons
-    reasons.append(f"fits: {pl.total_memory / GB:.1f} of {cap / GB:.0f} GB")
-    times = {"compute": pl.compute_time, "pipeline bubble": bubble_time,
-             "communication in the critical path (tp/pp/ep)": critical,
-             "communication not hidden by compute (dp/cp)": max(0.0, exposed)}
+    reasons.append(f"fits: {pl.total_memory / GB:.1f} of {cap / GB:.0f} GB{margin} "
+                   f"({(cap - pl.total_memory) / GB:.1f} GB to spare)")
+    times = {"compute": pl.compute_time, "pipeline bubble": pl.bubble_time}
+    for axis, x in pl.exposed.items():
+        where = "in the critical path" if axis in ("tp", "pp", "ep", "zero3") else "not hidden by compute"
+        times[f"{axis} communication {where}"] = x
+    if pl.optimizer_time:
+        times["optimizer step"] = pl.optimizer_time
     worst = max(times, key=times.get)
-    for k, v in sorted(times.items(), key=lambda kv: -kv[1]):
-        if v > 0:
-            reasons.append(f"{k}: {v:.3g} s")
+    for k, x in sorted(times.items(), key=lambda kv: -kv[1]):
+        if x > 0:
+            reasons.append(f"{k}: {x:.3g} s")
     return ("time: " + worst), reasons
-
-
-def _divisors(n: int, limit: int | None = None) -> list[int]:
-    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
-
-
-def search(model: Model, cluster: Cluster, *, zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"),
-           flash: bool = False, max_tp: int | None = None, virtual_stages: int = 1, min_tokens_per_rank: int = 0,
-           top: int = 10) -> tuple[list[Plan], list[Plan]]:
-    """Every composition this model and cluster allow: (the ``top`` that fit, fastest first;
-    the ``top`` that do not, least memory first).
-
-    Sizes are powers of two, tp at most ``max_tp`` (default: one node).  The estimate does not
-    model kernel efficiency at small shapes, so it over-rewards cutting the sequence into tiny
-    pieces; ``min_tokens_per_rank`` (tokens of a sequence per context rank, s/cp) stands in for it.
-    """
-    ok, bad = [], []
-    max_tp = max_tp or cluster.devices_per_node
-    pow2 = [2 ** i for i in range(int(math.log2(cluster.devices)) + 1)]
-    for tp, pp, cp in itertools.product(pow2, pow2, pow2):
-        if tp > max_tp or cluster.devices % (tp * pp * cp) or model.seq_len / cp < min_tokens_per_rank:
-            continue
-        dp = cluster.devices // (tp * pp * cp)
-        eps = [e for e in _divisors(dp * cp) if model.num_experts > 1 and model.num_experts % e == 0] or [1]
-        for ep, zero, rec in itertools.product(eps, zero_stages, recompute):
-            if flash and rec == "selective":    # flash attention already keeps no scores: the same plan
-                continue
-            comp = Composition(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, recompute=rec, flash=flash,
-                               virtual_stages=virtual_stages)
-            try:
-                pl = plan(model, cluster, comp)
-            except ValueError:
-                continue
-            (ok if pl.fits else bad).append(pl)
-    ok.sort(key=lambda q: (q.step_time, q.total_memory))
-    bad.sort(key=lambda q: q.total_memory)
-    return ok[:top], bad[:top]
 
 
 def with_sizes(comp: Composition, **kw) -> Composition:

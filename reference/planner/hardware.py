@@ -1,0 +1,94 @@
+"""Hardware presets: the figures of a GPU and its links, each next to where it was published.
+
+``Cluster.preset(name, devices, **overrides)`` (also ``reference.planner.preset``) builds a
+:class:`~.model.Cluster` of ``devices`` GPUs from one of the :data:`PRESETS` (:func:`preset_fields`).
+Datasheet figures give the roofline (peak FLOP/s, memory bandwidth) and the
+links; two benchmark figures say how close to the datasheet real kernels get:
+
+    gemm_ceiling      the Maximum Achievable Matmul FLOPS (MAMF) of a brute-force shape search, over the
+                      datasheet peak: what the best-shaped large GEMM reaches on that device
+    intra/inter_efficiency   a large all-reduce's bus bandwidth over the link's one-way bandwidth
+    alpha             one message step's latency: the time of a tiny all-reduce / its 2(n−1) ring steps
+
+These are properties of the device and its network, measured by GEMM and NCCL benchmarks — never
+fitted to the training runs the planner is checked against (:mod:`.runs`).
+
+Sources (cited per figure below):
+    [A100]   NVIDIA A100 Tensor Core GPU datasheet (80 GB SXM column): 312 TFLOP/s dense BF16/FP16,
+             2,039 GB/s HBM2e, 80 GB, NVLink 600 GB/s (both directions together).
+    [A100-WP] NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108 SMs.
+    [H100]   NVIDIA H100 Tensor Core GPU datasheet (SXM column): 989 TFLOP/s dense BF16 (1,979 with
+             sparsity), 3.35 TB/s HBM3, 80 GB, NVLink 900 GB/s; H100 SXM5 has 132 SMs (NVIDIA Hopper
+             architecture whitepaper).
+    [SELENE] Narayanan et al. 2021, arXiv:2104.04473, §5: "Each cluster node has 8 NVIDIA 80-GB A100
+             GPUs ... eight NVIDIA Mellanox 200Gbps HDR Infiniband HCAs for application communication".
+    [DGXH100] NVIDIA DGX H100 datasheet: 8 GPUs, 8 × 400 Gb/s ConnectX-7 (400 Gb/s per GPU); Llama 3,
+             arXiv:2407.21783, §3.3.1 states the same 400 Gbps per GPU.
+    [MAMF]   S. Bekman, Machine Learning Engineering Open Book, compute/accelerator/README.md, "Maximum
+             Achievable Matmul FLOPS comparison table", BF16 rows: A100 SXM 271.2 of 312 TFLOP/s (86.9 %),
+             H100 SXM 794.5 of 989 (80.3 %).
+    [NCCL]   the same book, network/README.md: nccl-tests all_reduce_perf on one A100 node — 32 KiB in
+             43.83 µs, 16 GiB at 234.89 GB/s bus bandwidth (78 % of NVLink 3's 300 GB/s one way); an
+             H200 node (NVLink 4, as H100) rings at 367.61 GB/s (82 % of 450); a 4-node H200 all-reduce
+             moves ~37 of 50 GB/s per NIC (74 %); 32 KiB takes 40 µs (1.44 GB/s bus bandwidth).
+    [FA2]    Dao, FlashAttention-2, arXiv:2307.08691, abstract: "reaching 50-73% of the theoretical
+             maximum FLOPs/s on A100".  [FA3] Shah et al., FlashAttention-3, arXiv:2407.08608, abstract:
+             "up to 740 TFLOPs/s (75% utilization)" in FP16 on H100.
+"""
+from __future__ import annotations
+
+__all__ = ["PRESETS", "preset_fields"]
+
+GB = 1e9
+
+_RING_STEPS_8 = 2 * (8 - 1)          # a ring all-reduce over one node's 8 GPUs takes 2(n−1) = 14 steps
+
+PRESETS: dict[str, dict] = {
+    "a100-80gb-sxm": dict(
+        memory=80 * GB,                       # [A100] 80 GB HBM2e
+        flops=312e12,                         # [A100] dense BF16/FP16 tensor core
+        hbm_bw=2039e9,                        # [A100] 2,039 GB/s
+        sms=108,                              # [A100-WP]
+        intra_bw=300e9,                       # [A100] NVLink 600 GB/s both ways = 300 GB/s one way
+        inter_bw=25e9,                        # [SELENE] one 200 Gb/s HDR HCA per GPU = 25 GB/s
+        devices_per_node=8,                   # [SELENE]
+        gemm_ceiling=271.2 / 312,             # [MAMF] A100 SXM BF16
+        attention_ceiling=0.6,                # ASSUMED: inside [FA2]'s 50–73 % (forward near the top,
+        #                                       backward near the bottom), as one number for both passes
+        intra_efficiency=234.89 / 300,        # [NCCL] A100 node, 16 GiB all-reduce
+        inter_efficiency=0.74,                # [NCCL] 4-node all-reduce per NIC (measured on H200/EFA;
+        #                                       ASSUMED to carry over to HDR InfiniBand)
+        alpha_intra=43.83e-6 / _RING_STEPS_8,  # [NCCL] 32 KiB all-reduce on 8 A100s / 14 ring steps
+        alpha_inter=43.83e-6 / _RING_STEPS_8 + 0.6e-6,   # + HDR switch latency 0.6 µs (InfiniBand Trade
+        #                                       Association figure quoted in [NCCL]'s network chapter)
+        memory_margin=0.1 * 80 * GB,          # ASSUMED: 10 % of HBM for the CUDA context, NCCL buffers and
+        #                                       allocator fragmentation (no paper states it)
+        source="A100 80GB SXM datasheet; A100 whitepaper; Narayanan et al. 2021 §5; Bekman MAMF and "
+               "nccl-tests tables"),
+    "h100-80gb-sxm": dict(
+        memory=80 * GB,                       # [H100] 80 GB HBM3
+        flops=989e12,                         # [H100] dense BF16 (1,979 is with sparsity)
+        hbm_bw=3.35e12,                       # [H100] 3.35 TB/s
+        sms=132,                              # [H100] SXM5
+        intra_bw=450e9,                       # [H100] NVLink 900 GB/s both ways = 450 GB/s one way
+        inter_bw=50e9,                        # [DGXH100] 400 Gb/s per GPU
+        devices_per_node=8,                   # [DGXH100]
+        gemm_ceiling=794.5 / 989,             # [MAMF] H100 SXM BF16
+        attention_ceiling=0.6,                # ASSUMED: below [FA3]'s 75 % forward peak (the backward is slower)
+        intra_efficiency=367.61 / 450,        # [NCCL] NVLink 4 ring (H200 node, same NVLink as H100)
+        inter_efficiency=0.74,                # [NCCL] 4-node H200 all-reduce per NIC
+        alpha_intra=40e-6 / _RING_STEPS_8,    # [NCCL] 32 KiB all-reduce on 8 H200s: 32 KiB / 0.82 GB/s algbw
+        alpha_inter=40e-6 / _RING_STEPS_8 + 0.6e-6,      # ASSUMED: as A100's inter-node step
+        memory_margin=0.1 * 80 * GB,          # ASSUMED, as for the A100
+        source="H100 SXM datasheet; DGX H100 datasheet; Bekman MAMF and nccl-tests tables"),
+}
+
+
+def preset_fields(name: str, devices: int, **overrides) -> dict:
+    """The Cluster fields of ``devices`` GPUs of kind ``name`` (a key of :data:`PRESETS`), ``overrides``
+    replacing any of them, e.g. ``inter_bw=25e9`` for a slower network."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown hardware preset {name!r}; choose one of {', '.join(PRESETS)}")
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+    return {"name": f"{devices} × {name}", "devices": devices, **PRESETS[name], **overrides}

@@ -1,0 +1,118 @@
+"""Kernel time from the shape: how long one device spends on each GEMM, on attention's core and on the
+memory-bound element-wise work of a transformer layer.
+
+A GEMM C[M×N] = A[M×K]·B[K×N] does 2·M·N·K FLOPs and moves at least e·(M·K + K·N + M·N) bytes.  Its
+time is the larger of the two roofline bounds (Williams et al., "Roofline", CACM 2009):
+
+    t = max( 2MNK / (peak · η(M, N)),  e·(MK + KN + MN) / hbm_bw )
+
+η is the fraction of peak the kernel reaches.  Two effects of NVIDIA's "Matrix Multiplication
+Background User's Guide" (§3 Dimension Quantization Effects) and one benchmark figure set it:
+
+    tile quantization   C is computed in tiles (cuBLAS's largest, most efficient: 256×128); a partial
+                        tile costs a whole one:            η_tile = M·N / (⌈M/tm⌉·tm · ⌈N/tn⌉·tn)
+    wave quantization   the tiles run in waves of one per SM; a partial last wave costs a whole one:
+                        η_wave = w / ⌈w⌉,   w = tiles / SMs
+    ceiling             the best-shaped large GEMM's fraction of peak (MAMF, :mod:`.hardware`)
+
+    η(M, N) = ceiling · max over tiles (tm × tn ∈ 256×128, 128×256, 128×128) of η_tile · η_wave
+
+Attention's core (QKᵀ and P·V, per head) is counted on its own: without flash attention, two batched
+GEMMs (K = head dim, often memory-bound) plus the memory-bound softmax and dropout on the a·s² scores;
+with flash attention, 4·s_q·s_k·d FLOPs per head forward (half of them skipped when causal), 2.5× that
+backward (FlashAttention-2 recomputes QKᵀ), at the device's ``attention_ceiling``.
+
+Element-wise work (norms, bias + GeLU, bias + dropout + residual, as Megatron fuses them) moves bytes
+and does no tensor-core math: its time is bytes / hbm_bw.  Every count is per device, per micro-batch.
+"""
+from __future__ import annotations
+
+import math
+
+from .model import Cluster, Model
+
+__all__ = ["TILES", "gemm_efficiency", "gemm_time", "memory_time", "layer_gemms", "attention_core_time",
+           "elementwise_bytes"]
+
+TILES = ((256, 128), (128, 256), (128, 128))     # cuBLAS tile shapes (NVIDIA Matrix Multiplication guide §2.3)
+
+
+def gemm_efficiency(m: float, n: float, cluster: Cluster, batch: int = 1) -> float:
+    """η(M, N): the ceiling times the best tile's tile × wave quantization, for ``batch`` GEMMs at once."""
+    best = 0.0
+    for tm, tn in TILES:
+        tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
+        tile = m * n / (tiles_m * tm * tiles_n * tn)
+        waves = batch * tiles_m * tiles_n / cluster.sms
+        best = max(best, tile * waves / math.ceil(waves))
+    return cluster.gemm_ceiling * best
+
+
+def gemm_time(m: float, n: float, k: float, cluster: Cluster, *, batch: int = 1, elem: int = 2) -> float:
+    """Seconds for ``batch`` GEMMs [m×k]·[k×n]: the larger roofline bound."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    flops = 2 * m * n * k * batch
+    bytes_ = elem * (m * k + k * n + m * n) * batch
+    return max(flops / (cluster.flops * gemm_efficiency(m, n, cluster, batch)), bytes_ / cluster.hbm_bw)
+
+
+def memory_time(nbytes: float, cluster: Cluster) -> float:
+    """Seconds to stream ``nbytes`` through device memory (a memory-bound kernel)."""
+    return nbytes / cluster.hbm_bw
+
+
+def layer_gemms(model: Model, tokens: float, tp: int, *, moe: bool = False) -> list[tuple[float, float, float]]:
+    """The forward GEMMs of one layer on one device, as (M, N, K): M tokens, weights cut over ``tp``.
+
+    QKV [T×h]·[h×(a+2·kv)·d/t], proj [T×a·d/t]·[a·d/t×h], FC1 [T×h]·[h×f·(2 if gated)/t], FC2
+    [T×f/t]·[f/t×h].  A MoE layer's experts see k·cf·T tokens (perfect balance).
+    """
+    h, d = model.hidden, model.hidden // model.heads
+    q_kv = (model.heads + 2 * model.kv_heads) * d
+    ffn_tokens = tokens * (model.top_k * model.capacity_factor if moe else 1)
+    up = model.ffn * (2 if model.gated_ffn else 1)
+    return [(tokens, q_kv / tp, h), (tokens, h, model.heads * d / tp),
+            (ffn_tokens, up / tp, h), (ffn_tokens, h, model.ffn / tp)]
+
+
+def attention_core_time(model: Model, cluster: Cluster, *, b: int, tp: int, cp: int, flash: bool
+                        ) -> tuple[float, float]:
+    """(forward, backward) seconds of attention's core on one device, one micro-batch, one layer.
+
+    Each of the a/t local heads has s/c queries against s keys of dimension d.  Without flash:
+    QKᵀ and P·V as batched GEMMs (full s², masked — Megatron 2021 computes every score) and the
+    softmax (read + write e per score) and dropout (read + write e and a 1-byte mask) on b·(a/t)·(s/c)·s
+    scores; backward: two GEMMs per forward GEMM, and softmax' and dropout' (read two, write one).
+    """
+    s, d, e = model.seq_len, model.hidden // model.heads, model.act_bytes
+    sq, heads = s / cp, b * model.heads // tp
+    if flash:
+        flops = 4 * sq * s * d * heads * (0.5 if model.causal else 1.0)
+        fwd = flops / (cluster.flops * cluster.attention_ceiling)
+        return fwd, 2.5 * fwd
+    qk = gemm_time(sq, s, d, cluster, batch=heads, elem=e)
+    pv = gemm_time(sq, d, s, cluster, batch=heads, elem=e)
+    scores = heads * sq * s
+    drop = 1 if model.dropout else 0
+    soft_f, drop_f = 2 * e, (2 * e + 1) * drop
+    soft_b, drop_b = 3 * e, (2 * e + 1) * drop
+    fwd = qk + pv + memory_time(scores * (soft_f + drop_f), cluster)
+    bwd = 2 * (qk + pv) + memory_time(scores * (soft_b + drop_b), cluster)
+    return fwd, bwd
+
+
+def elementwise_bytes(model: Model, tokens: float, tp: int, *, sequence_parallel: bool, moe: bool = False) -> float:
+    """Bytes one device streams through memory in one layer's forward element-wise kernels.
+
+    Per token: two norms (read + write h), two fused bias + dropout + residual adds (read 2h, write h,
+    a 1-byte mask of h), and the FFN's activation (bias + GeLU: read + write f/t; SwiGLU: read 2f/t,
+    write f/t).  The h-sized ones are cut over t only with sequence parallelism.  The backward
+    streams ASSUMED twice as much (each kernel reads its saved input and the incoming gradient).
+    """
+    e, h = model.act_bytes, model.hidden
+    mask = 1 if model.dropout else 0
+    per_h = 2 * (2 * e) + 2 * (3 * e + mask)
+    ffn_tokens = tokens * (model.top_k * model.capacity_factor if moe else 1)
+    ffn = (3 if model.gated_ffn else 2) * e * model.ffn / tp
+    return tokens * per_h * h / (tp if sequence_parallel else 1) + ffn_tokens * ffn

@@ -1,0 +1,173 @@
+"""Published training runs as data — what the planner's step time and memory are held against.
+
+Each :class:`PublishedRun` is one row of a paper's table with every setting the paper (or the scripts it
+published) states, the row's source, and the throughput it reports.  Settings a row needs and its source
+does not give are marked ASSUMED, with the reason.
+
+Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+arXiv:2104.04473 — GPT models, vocabulary 51,200, sequence 2,048 (§5.1), fp16, on Selene's 80 GB A100s
+with 8 × 200 Gb/s HDR InfiniBand per 8-GPU node (§5).  Achieved FLOP/s count (§5.1, Appendix)
+
+    F = 96 · B · s · l · h² · (1 + s/(6h) + V/(16·l·h))      FLOPs per step (recomputation included)
+
+so a row's step time is F / (X · n) for X teraFLOP/s per GPU on n GPUs.
+    Table 1 (weak scaling): model shape, tp, pp, GPUs, batch and X per row.  The micro-batch, the
+      interleaving depth, full recomputation ("--checkpoint-activations") and the DDP implementation
+      ("torch": gradients reduced during the backward; "local": after it) of each row are those of the
+      paper's own script, Megatron-LM examples/sc21/run_table_1.sh (commit de7dc40, "scripts for sc21"),
+      which also sets --fp16.  Scatter/gather of pipeline activations (§4.1) is Megatron's default then
+      (run_figure_18.sh turns it off with --no-scatter-gather-tensors-in-pipeline).
+    Table 2 (PTD-P against ZeRO-3 without model parallelism): parameters, model-parallel size, batch,
+      GPUs, micro-batch and X per row.  Not in the table, ASSUMED: the 174.6B model is GPT-3's shape
+      (96 layers, h 12,288, 96 heads) at tp 8 × pp 12 = 96 with 2 layers per virtual stage, as the
+      paper's 175B runs of Figures 12 and 18 (run_figure_18.sh: TP 8, PP 12, 2 layers per virtual
+      stage); the 529.6B model is Table 1's row (tp 8 × pp 35 = 280, one layer per virtual stage);
+      PTD-P with local DDP as Table 1's pipelined rows; ZeRO-3 (DeepSpeed) with full recomputation (the
+      F above counts it), its gradient reduce-scatter overlapped and its parameter gathers prefetched.
+
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+arXiv:2205.05198, Table 2: activation memory per transformer layer for each technique (rows below),
+bytes, with s, b, h, a, t the sequence, micro-batch, hidden size, heads and tensor-parallel size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .model import Cluster, Composition, Model
+
+preset = Cluster.preset
+
+__all__ = ["PublishedRun", "narayanan_flops", "gpt", "compare", "NARAYANAN_TABLE_1", "NARAYANAN_TABLE_2",
+           "PUBLISHED_RUNS", "KORTHIKANTI_TABLE_2"]
+
+_T1 = "Narayanan et al. 2021, arXiv:2104.04473, Table 1"
+_T2 = "Narayanan et al. 2021, arXiv:2104.04473, Table 2"
+_SCRIPT = "Megatron-LM examples/sc21/run_table_1.sh"
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One row: the model, the cluster, the composition it ran, and the teraFLOP/s per GPU it reached."""
+    name: str
+    source: str                     # paper, table, row
+    model: Model
+    cluster: Cluster
+    comp: Composition
+    tflops_per_gpu: float           # X, as the paper counts it (narayanan_flops)
+    assumed: tuple[str, ...] = field(default_factory=tuple)   # settings the source does not state
+
+    @property
+    def step_time(self) -> float:
+        """The published step: F / (X · n)."""
+        return narayanan_flops(self.model) / (self.tflops_per_gpu * 1e12 * self.cluster.devices)
+
+
+def narayanan_flops(model: Model) -> float:
+    """F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)): FLOPs of one step with full recomputation (Narayanan §5.1)."""
+    B, s, L, h, V = model.global_batch, model.seq_len, model.layers, model.hidden, model.vocab
+    return 96 * B * s * L * h ** 2 * (1 + s / (6 * h) + V / (16 * L * h))
+
+
+def gpt(name: str, layers: int, hidden: int, heads: int, *, batch: int, micro_batch: int, source: str) -> Model:
+    """A Megatron GPT of Narayanan §5.1: FFN 4h, biases, LayerNorm, learned positions, tied embeddings,
+    dropout, vocabulary 51,200, sequence 2,048, fp16 weights and gradients with fp32 Adam (K = 12)."""
+    return Model(name, layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=51200,
+                 seq_len=2048, micro_batch=micro_batch, global_batch=batch, biases=True, learned_positions=True,
+                 tied_embeddings=True, dropout=True, source=source)
+
+
+def _row(i: int, params: str, layers: int, hidden: int, heads: int, tp: int, pp: int, gpus: int, batch: int,
+         tflops: float, *, micro_batch: int, layers_per_virtual: int | None, ddp: str) -> PublishedRun:
+    v = layers // (pp * layers_per_virtual) if layers_per_virtual else 1
+    model = gpt(f"GPT {params}", layers, hidden, heads, batch=batch, micro_batch=micro_batch,
+                source=f"{_T1}, row {i}")
+    comp = Composition(dp=gpus // (tp * pp), tp=tp, pp=pp, recompute="full", sequence_parallel=False,
+                       virtual_stages=v, scatter_gather=True, dp_overlap=(ddp == "torch"))
+    return PublishedRun(f"Table 1 row {i}: {params}", f"{_T1}, row {i} ({params}); settings: {_SCRIPT}",
+                        model, preset("a100-80gb-sxm", gpus), comp, tflops)
+
+
+# Table 1: (parameters, layers, h, heads, tp, pp, GPUs, batch, teraFLOP/s per GPU) and, from run_table_1.sh,
+# (micro-batch, layers per virtual stage, DDP implementation)
+NARAYANAN_TABLE_1 = [
+    _row(1, "1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, micro_batch=16, layers_per_virtual=None, ddp="torch"),
+    _row(2, "3.6B", 30, 3072, 32, 2, 1, 64, 512, 138, micro_batch=16, layers_per_virtual=None, ddp="torch"),
+    _row(3, "7.5B", 36, 4096, 32, 4, 1, 128, 512, 142, micro_batch=16, layers_per_virtual=None, ddp="torch"),
+    _row(4, "18.4B", 40, 6144, 48, 8, 1, 256, 1024, 135, micro_batch=8, layers_per_virtual=None, ddp="torch"),
+    _row(5, "39.1B", 48, 8192, 64, 8, 2, 512, 1536, 138, micro_batch=4, layers_per_virtual=None, ddp="local"),
+    _row(6, "76.1B", 60, 10240, 80, 8, 4, 1024, 1792, 140, micro_batch=2, layers_per_virtual=5, ddp="local"),
+    _row(7, "145.6B", 80, 12288, 96, 8, 8, 1536, 2304, 148, micro_batch=2, layers_per_virtual=5, ddp="local"),
+    _row(8, "310.1B", 96, 16384, 128, 8, 16, 1920, 2160, 155, micro_batch=1, layers_per_virtual=3, ddp="local"),
+    _row(9, "529.6B", 105, 20480, 128, 8, 35, 2520, 2520, 163, micro_batch=1, layers_per_virtual=1, ddp="local"),
+    _row(10, "1008.0B", 128, 25600, 160, 8, 64, 3072, 3072, 163, micro_batch=1, layers_per_virtual=None,
+         ddp="local"),
+]
+
+_PTD_ASSUMED = ("model shape and tp × pp split (see the module docstring)", "interleaving depth as the paper's "
+                "other runs of this model", "local DDP (not overlapped)", "scatter/gather on")
+_ZERO_ASSUMED = ("full recomputation", "reduce-scatter overlapped, parameter gathers prefetched")
+
+
+def _zero3(i: int, shape: tuple, params: str, gpus: int, batch: int, b: int, tflops: float) -> PublishedRun:
+    layers, hidden, heads = shape
+    model = gpt(f"GPT {params}", layers, hidden, heads, batch=batch, micro_batch=b, source=f"{_T2}, row {i}")
+    comp = Composition(dp=gpus, zero=3, recompute="full", sequence_parallel=False, dp_overlap=True,
+                       fsdp_prefetch=True)
+    return PublishedRun(f"Table 2 row {i}: ZeRO-3 {params} on {gpus}", f"{_T2}, row {i} (ZeRO-3, {params}, "
+                        f"{gpus} GPUs)", model, preset("a100-80gb-sxm", gpus), comp, tflops, _ZERO_ASSUMED)
+
+
+def _ptd(i: int, shape: tuple, params: str, tp: int, pp: int, v: int, gpus: int, batch: int, tflops: float
+         ) -> PublishedRun:
+    layers, hidden, heads = shape
+    model = gpt(f"GPT {params}", layers, hidden, heads, batch=batch, micro_batch=1, source=f"{_T2}, row {i}")
+    comp = Composition(dp=gpus // (tp * pp), tp=tp, pp=pp, recompute="full", sequence_parallel=False,
+                       virtual_stages=v, scatter_gather=True, dp_overlap=False)
+    return PublishedRun(f"Table 2 row {i}: PTD-P {params} on {gpus}", f"{_T2}, row {i} (PTD-P, {params}, "
+                        f"{gpus} GPUs)", model, preset("a100-80gb-sxm", gpus), comp, tflops, _PTD_ASSUMED)
+
+
+_175B, _530B = (96, 12288, 96), (105, 20480, 128)
+NARAYANAN_TABLE_2 = [
+    _zero3(1, _175B, "174.6B", 384, 1536, 4, 144),
+    _zero3(2, _175B, "174.6B", 768, 1536, 2, 88),
+    _zero3(3, _175B, "174.6B", 1536, 1536, 1, 44),
+    _zero3(4, _530B, "529.6B", 640, 2560, 4, 138),       # batch 2560 (marked * in the table), not 2240
+    _zero3(5, _530B, "529.6B", 1120, 2240, 2, 98),
+    _zero3(6, _530B, "529.6B", 2240, 2240, 1, 48),
+    _ptd(7, _175B, "174.6B", 8, 12, 4, 384, 1536, 153),
+    _ptd(8, _175B, "174.6B", 8, 12, 4, 768, 1536, 149),
+    _ptd(9, _175B, "174.6B", 8, 12, 4, 1536, 1536, 141),
+    _ptd(10, _530B, "529.6B", 8, 35, 3, 560, 2240, 171),
+    _ptd(11, _530B, "529.6B", 8, 35, 3, 1120, 2240, 167),
+    _ptd(12, _530B, "529.6B", 8, 35, 3, 2240, 2240, 159),
+]
+
+PUBLISHED_RUNS = NARAYANAN_TABLE_1 + NARAYANAN_TABLE_2
+
+
+# Korthikanti et al. 2022, Table 2: (technique, tp used?, sequence parallel, recompute, bytes per layer)
+KORTHIKANTI_TABLE_2 = [
+    ("no parallelism", False, False, "none", lambda s, b, h, a, t: s * b * h * (34 + 5 * a * s / h)),
+    ("tensor parallel (baseline)", True, False, "none",
+     lambda s, b, h, a, t: s * b * h * (10 + 24 / t + 5 * a * s / (h * t))),
+    ("tensor + sequence parallel", True, True, "none",
+     lambda s, b, h, a, t: s * b * h * (34 / t + 5 * a * s / (h * t))),
+    ("tensor parallel + selective activation recompute", True, False, "selective",
+     lambda s, b, h, a, t: s * b * h * (10 + 24 / t)),
+    ("tensor parallel + sequence parallel + selective activation recompute", True, True, "selective",
+     lambda s, b, h, a, t: s * b * h * 34 / t),
+    ("full activation recompute", True, False, "full", lambda s, b, h, a, t: s * b * h * 2),
+]
+
+
+def compare(runs=None) -> list[dict]:
+    """Each run planned with its published composition: {"run", "plan", "predicted", "published", "error"}
+    (error = predicted / published step − 1; negative: the planner predicts a faster step)."""
+    from .plan import plan
+    out = []
+    for run in (PUBLISHED_RUNS if runs is None else runs):
+        pl = plan(run.model, run.cluster, run.comp)
+        out.append(dict(run=run, plan=pl, predicted=pl.step_time, published=run.step_time,
+                        error=pl.step_time / run.step_time - 1))
+    return out

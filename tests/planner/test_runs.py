@@ -1,0 +1,130 @@
+"""reference.planner against published training runs (reference.planner.runs): Narayanan et al. 2021
+Tables 1 and 2 (step time, memory), Korthikanti et al. 2022 Table 2 (activation memory) and §4.2.3
+(interleaving's first stage).  Every number below is computed from the rows' data and the model; a row
+the planner cannot express raises in ``plan`` and fails here."""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from reference import planner as P
+from reference.planner.runs import (KORTHIKANTI_TABLE_2, NARAYANAN_TABLE_1, NARAYANAN_TABLE_2, PUBLISHED_RUNS,
+                                    compare, gpt, narayanan_flops)
+
+ROWS = compare()
+
+
+def _errors() -> list[float]:
+    return [r["error"] for r in ROWS]
+
+
+def test_every_published_row_is_expressed_and_fits_in_memory():
+    """The papers ran every row: the planner builds each composition and it fits (after the margin)."""
+    assert len(ROWS) == len(NARAYANAN_TABLE_1) + len(NARAYANAN_TABLE_2) == 22
+    for r in ROWS:
+        pl = r["plan"]
+        assert pl.fits, f"{r['run'].name}: {pl.summary()}"
+        assert pl.cluster.first_principles and pl.mfu > 0 and pl.hfu > pl.mfu      # full recomputation
+        print(f"{r['run'].name:42s} published {r['published']:8.2f} s  predicted {r['predicted']:8.2f} s  "
+              f"{r['error']:+.1%}")
+
+
+def test_parameter_counts_match_the_papers_column():
+    """Table 1's parameter column is the paper's P = 12lh²(1 + 13/(12h) + (V+s)/(12lh)); the planner counts
+    the same GPT (biases, LayerNorm, learned positions, tied embeddings): equal at the table's one decimal."""
+    for run in NARAYANAN_TABLE_1:
+        published = float(run.name.split(": ")[1].rstrip("B"))
+        counted = sum(P.param_counts(run.model).values()) / 1e9
+        assert abs(counted - published) <= 0.05, (run.name, counted)
+
+
+def test_published_step_is_the_papers_flops_over_its_throughput():
+    run = NARAYANAN_TABLE_1[-1]
+    m = run.model
+    flops = 96 * m.global_batch * 2048 * 128 * 25600 ** 2 * (1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600))
+    assert narayanan_flops(m) == pytest.approx(flops, rel=1e-12)
+    assert run.step_time == pytest.approx(flops / (163e12 * 3072), rel=1e-12)
+
+
+def test_step_time_error_over_the_shipped_rows_within_what_the_model_reaches():
+    """What the first-principles model reaches without fitting (see reference/planner/hardware.py):
+    median |error| ≤ 20 %, worst ≤ 30 % (today 18 % and 26 %; the target is 10 % and 20 %, not reached yet:
+    compute-bound steps come out ~18 % too fast)."""
+    errors = [abs(e) for e in _errors()]
+    print(f"median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}")
+    assert statistics.median(errors) <= 0.20 and max(errors) <= 0.30
+
+
+def test_error_no_longer_grows_with_model_size():
+    """A fixed MFU was −5 % at 1.7B and −35…−40 % at 1T; shape-dependent efficiency keeps the two ends
+    within 15 points of each other."""
+    first, last = ROWS[0]["error"], ROWS[len(NARAYANAN_TABLE_1) - 1]["error"]
+    assert abs(first - last) <= 0.15, (first, last)
+
+
+def test_zero3_at_micro_batch_1_is_communication_bound_and_ranks_like_the_paper():
+    """Table 2: ZeRO-3 loses throughput as the micro-batch shrinks (144 → 88 → 44 teraFLOP/s); the
+    planner's per-layer gathers are exposed once the layer's compute no longer hides them."""
+    zero3 = [r for r in ROWS if r["run"].comp.zero == 3]
+    for group in (zero3[:3], zero3[3:]):
+        predicted = [narayanan_flops(r["run"].model) / (r["predicted"] * r["run"].cluster.devices) for r in group]
+        published = [r["run"].tflops_per_gpu * 1e12 for r in group]
+        assert predicted == sorted(predicted, reverse=True) and published == sorted(published, reverse=True)
+        assert group[-1]["plan"].exposed["zero3"] > group[-1]["plan"].compute_time      # b = 1: gathers dominate
+        assert group[0]["plan"].exposed["zero3"] < group[0]["plan"].compute_time
+
+
+def test_every_settings_the_rows_state_reach_the_plan():
+    """Table 1's scripts: local DDP (not overlapped) exposes the whole gradient sync; torch DDP hides it."""
+    local = next(r for r in ROWS if not r["run"].comp.dp_overlap and r["run"].comp.zero == 0)
+    torch_ddp = ROWS[0]
+    assert local["plan"].exposed["dp"] > 0 and "dp" not in torch_ddp["plan"].exposed
+    flipped = P.plan(local["run"].model, local["run"].cluster, P.with_sizes(local["run"].comp, dp_overlap=True))
+    assert flipped.step_time < local["plan"].step_time
+
+
+# ------------------------------------------------------------------ activation memory (Korthikanti et al. 2022)
+
+@pytest.mark.parametrize("technique,uses_tp,sp,recompute,formula", KORTHIKANTI_TABLE_2,
+                         ids=[row[0] for row in KORTHIKANTI_TABLE_2])
+def test_activation_memory_equals_korthikanti_table_2(technique, uses_tp, sp, recompute, formula):
+    """GPT-3 175B shape (Korthikanti Table 3: a 96, h 12,288, s 2,048, t 8), b = 1: the planner's bytes per
+    layer equal the row's formula."""
+    model = gpt("GPT-3 175B", 96, 12288, 96, batch=1, micro_batch=1, source="Korthikanti et al. 2022")
+    t = 8 if uses_tp else 1
+    got = P.activation_bytes_per_layer(model, tp=t, sequence_parallel=sp, recompute=recompute)
+    assert got == pytest.approx(formula(2048, 1, 12288, 96, t), rel=1e-12), technique
+
+
+@pytest.mark.parametrize("run", [r for r in NARAYANAN_TABLE_1 if r.comp.virtual_stages > 1], ids=lambda r: r.name)
+def test_interleaved_first_stage_holds_korthikanti_factor(run):
+    """§4.2.3: with v chunks per device the first stage holds L·(1 + (p−1)/(p·v)) layers' activations."""
+    comp = P.with_sizes(run.comp, recompute="none")
+    p, v = comp.pp, comp.virtual_stages
+    first = P.plan(run.model, run.cluster, comp, stage=0).memory["activations"]
+    per_layer = P.activation_bytes_per_layer(run.model, tp=comp.tp, sequence_parallel=False)
+    factor = first / (per_layer * run.model.layers)
+    assert factor == pytest.approx(1 + (p - 1) / (p * v), rel=0.02)
+    plain = P.plan(run.model, run.cluster, P.with_sizes(comp, virtual_stages=1), stage=0).memory["activations"]
+    assert plain / (per_layer * run.model.layers) == pytest.approx(1.0, rel=0.02)
+
+
+# ------------------------------------------------------------------ the search against the papers' choices
+
+@pytest.mark.parametrize("run", PUBLISHED_RUNS, ids=lambda r: r.name)
+def test_search_finds_the_published_plan_or_explains_why_not(run):
+    """The published composition is within 10 % of the search's best, or the planner names the terms that
+    differ (with its numbers) and the measurement that would settle it."""
+    published = P.plan(run.model, run.cluster, run.comp)
+    ok, _ = P.search(run.model, run.cluster, zero_stages=(0, 1, 3), recompute=("full",),
+                     virtual_stages=sorted({1, run.comp.virtual_stages}), base=run.comp, cp_sizes=(1,), top=3)
+    best = ok[0]
+    assert best.step_time <= published.step_time * (1 + 1e-9)          # the published plan is in the space
+    assert all(pl.reasons and pl.reasons[0].startswith("fits") for pl in ok)
+    if published.step_time > 1.10 * best.step_time:
+        why = P.explain(published, best)
+        terms = P.time_terms(published)
+        assert any(line.strip().split(":")[0] in terms or line.strip().split(":")[0] in P.time_terms(best)
+                   for line in why[1:-2]), why
+        assert why[-1].startswith("  to settle it, measure")

@@ -1,0 +1,166 @@
+"""The first-principles time model (reference.planner: hardware, kernels, collectives, layout, timing):
+each formula against numbers worked by hand, each switch changing what it should, and bad input
+raising a ValueError that names it.  Pure arithmetic."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from reference import planner as P
+from reference.planner.collectives import collective_time
+from reference.planner.hardware import PRESETS
+from reference.planner.kernels import gemm_efficiency, gemm_time
+from reference.planner.layout import bubble_units, chunk_layers, chunks_in_flight
+
+A100 = P.Cluster.preset("a100-80gb-sxm", 64)
+GPT = P.Model("GPT 13B-ish", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=4 * 5120, vocab=51200,
+              seq_len=2048, micro_batch=1, global_batch=256, biases=True, tied_embeddings=True)
+LLAMA = P.Model("Llama-like", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256,
+                seq_len=8192, global_batch=64, gated_ffn=True, dropout=False)
+
+
+# ------------------------------------------------------------------ presets
+
+def test_presets_carry_their_datasheet_figures_and_overrides():
+    a, h = P.Cluster.preset("a100-80gb-sxm", 16), P.preset("h100-80gb-sxm", 16)
+    assert (a.flops, a.hbm_bw, a.memory, a.sms, a.devices_per_node) == (312e12, 2039e9, 80e9, 108, 8)
+    assert (h.flops, h.hbm_bw, h.sms, h.intra_bw, h.inter_bw) == (989e12, 3.35e12, 132, 450e9, 50e9)
+    assert a.first_principles and h.gemm_ceiling == pytest.approx(794.5 / 989)
+    assert P.Cluster.preset("h100-80gb-sxm", 8, inter_bw=25e9).inter_bw == 25e9
+    assert not P.Cluster.preset("a100-80gb-sxm", 8, mfu=0.5).first_principles     # the override wins
+    assert set(PRESETS) >= {"a100-80gb-sxm", "h100-80gb-sxm"}
+    with pytest.raises(ValueError, match="unknown hardware preset 'b300'"):
+        P.Cluster.preset("b300", 8)
+
+
+# ------------------------------------------------------------------ kernels
+
+def test_gemm_is_the_larger_roofline_bound():
+    # a square 8192³ GEMM: 128·64 = 2048 tiles of 64×128... of 256×128 → 32·64 tiles on 108 SMs
+    m = n = k = 8192
+    eff = gemm_efficiency(m, n, A100)
+    best = max(m * n / (math.ceil(m / tm) * tm * math.ceil(n / tn) * tn) * (w := math.ceil(m / tm) * math.ceil(n / tn)
+               / 108) / math.ceil(w) for tm, tn in ((256, 128), (128, 256), (128, 128)))
+    assert eff == pytest.approx(A100.gemm_ceiling * best)
+    assert gemm_time(m, n, k, A100) == pytest.approx(2 * m * n * k / (312e12 * eff))
+    # a skinny GEMM (K = 64, the head dimension) is bound by memory, not FLOPs
+    t = gemm_time(4096, 4096, 64, A100, batch=32)
+    assert t == pytest.approx(2 * 32 * (4096 * 64 * 2 + 4096 * 4096) / 2039e9)
+
+
+def test_small_shapes_are_less_efficient_than_large_ones():
+    assert gemm_efficiency(2048, 25600 * 3 // 8, A100) > gemm_efficiency(256, 25600 * 3 // 64, A100)
+    assert gemm_efficiency(300, 300, A100) < 0.5 * A100.gemm_ceiling          # 3 tiles on 108 SMs
+
+
+# ------------------------------------------------------------------ collectives
+
+def test_alpha_beta_costs():
+    beta, alpha = 300e9 * A100.intra_efficiency, A100.alpha_intra
+    assert collective_time("all_reduce", 1e9, 8, A100, "intra") == pytest.approx(14 * alpha + 2 * 7 / 8 * 1e9 / beta)
+    assert collective_time("all_gather", 1e9, 8, A100, "intra") == pytest.approx(7 * alpha + 7 / 8 * 1e9 / beta)
+    assert collective_time("p2p", 1e6, 2, A100, "inter") == pytest.approx(A100.alpha_inter + 1e6 / (25e9 * 0.74))
+    assert collective_time("all_reduce", 1e9, 1, A100, "intra") == 0.0
+    # latency dominates tiny messages: a thousand 1 MB all-reduces cost more than one of 1 GB
+    assert 1000 * collective_time("all_reduce", 1e6, 8, A100, "intra") > collective_time("all_reduce", 1e9, 8, A100,
+                                                                                          "intra")
+    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+        collective_time("broadcast", 1.0, 2, A100, "intra")
+
+
+# ------------------------------------------------------------------ layout and schedules
+
+def test_stage_layout_with_embedding_only_and_loss_only_chunks():
+    comp = P.Composition(dp=16, pp=4, zero=1, recompute="full", stage_layout=(0, 20, 20, 0))
+    assert [n for n, _ in chunk_layers(GPT, comp)] == [0, 20, 20, 0]
+    pl = P.plan(GPT, A100, comp)
+    assert pl.fits
+    first, second = (P.plan(GPT, A100, comp, stage=k) for k in (0, 1))
+    assert first.memory["params"] < second.memory["params"]               # the embedding alone
+    # pp · v = 4 > 2 layers: rejected without a layout, accepted with one
+    tiny = P.Model("t", layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=100, seq_len=64, global_batch=8)
+    four = P.Cluster.preset("a100-80gb-sxm", 4)
+    with pytest.raises(ValueError, match=re.escape("pp=4 × virtual_stages=1 is more than layers=2")):
+        P.plan(tiny, four, P.Composition(pp=4))
+    assert P.plan(tiny, four, P.Composition(pp=4, stage_layout=(0, 1, 1, 0))).fits
+
+
+@pytest.mark.parametrize("comp,words", [
+    (P.Composition(dp=16, pp=4, stage_layout=(10, 10, 10)), "stage_layout has 3 entries; pp=4 × virtual_stages=1"),
+    (P.Composition(dp=16, pp=4, stage_layout=(10, 10, 10, 5)), "sums to 35 layers, the model has layers=40"),
+    (P.Composition(dp=16, pp=4, stage_layout=(20, 0, 20, 0)), "only the first (embedding-only) and last"),
+    (P.Composition(dp=21, tp=3), "dp·tp·pp·cp = 21·3·1·1 = 63 but the cluster has 64"),
+    (P.Composition(dp=8, tp=8, schedule="pipedream"), "schedule='pipedream'"),
+    (P.Composition(dp=16, cp=4, cp_algorithm="tree"), "cp_algorithm='tree'"),
+    (P.Composition(dp=64, micro_batch=3), "do not split into dp=64 × micro_batch=3"),
+])
+def test_bad_input_names_what_is_wrong(comp, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        P.plan(GPT, A100, comp)
+
+
+def test_bubble_by_schedule_and_activations_in_flight():
+    c = P.Composition(pp=8, dp=8)
+    assert bubble_units(c) == 7 and bubble_units(P.with_sizes(c, schedule="zb_h1")) == pytest.approx(7 / 3)
+    assert bubble_units(P.with_sizes(c, virtual_stages=4)) == pytest.approx(7 / 4)
+    assert chunks_in_flight(c, 0, 32) == 8 and chunks_in_flight(P.with_sizes(c, schedule="gpipe"), 0, 32) == 32
+    assert chunks_in_flight(P.with_sizes(c, virtual_stages=4), 0, 32) == 4 * 8 + 8 - 1
+    steps = {s: P.plan(GPT, A100, P.with_sizes(c, schedule=s)).step_time for s in ("gpipe", "1f1b", "zb_h1")}
+    assert steps["gpipe"] == steps["1f1b"] > steps["zb_h1"]
+    inter = P.plan(GPT, A100, P.with_sizes(c, virtual_stages=5))
+    assert inter.bubble_time < P.plan(GPT, A100, c).bubble_time
+
+
+# ------------------------------------------------------------------ switches
+
+def test_recomputation_by_granularity_costs_time_and_counts_in_hfu_only():
+    plans = {r: P.plan(GPT, A100, P.Composition(dp=8, tp=8, recompute=r)) for r in ("none", "selective", "full")}
+    assert plans["none"].step_time < plans["selective"].step_time < plans["full"].step_time
+    assert plans["none"].hfu == pytest.approx(plans["none"].mfu)
+    assert plans["full"].hfu / plans["full"].mfu == pytest.approx(P.model_flops(GPT, "full")[1] / P.model_flops(GPT)[0])
+    mf = P.model_flops(GPT)[0]
+    assert plans["full"].mfu == pytest.approx(mf / (plans["full"].step_time * 64 * 312e12))
+
+
+def test_overlap_switches_expose_what_they_should():
+    base = P.Composition(dp=8, tp=8)
+    assert "tp" in P.plan(GPT, A100, base).exposed
+    assert "tp" not in P.plan(GPT, A100, P.with_sizes(base, tp_overlap=True)).exposed
+    z3 = P.Composition(dp=64, zero=3, recompute="full", micro_batch=1)
+    hidden, shown = (P.plan(GPT, A100, P.with_sizes(z3, fsdp_prefetch=f)).exposed["zero3"] for f in (True, False))
+    assert hidden < shown
+    ring, gather = (P.plan(LLAMA, A100, P.Composition(dp=8, tp=2, cp=4, cp_algorithm=a, flash=True))
+                    for a in ("ring", "allgather"))
+    assert ring.exposed.get("cp", 0.0) < gather.exposed["cp"]
+    ulysses = P.plan(LLAMA, A100, P.Composition(dp=8, tp=2, cp=4, cp_algorithm="ulysses", flash=True))
+    assert ulysses.exposed["cp"] > 0
+
+
+def test_scatter_gather_and_distributed_optimizer():
+    c = P.Composition(dp=2, tp=8, pp=4, sequence_parallel=False)
+    plain, sg = P.plan(GPT, A100, c), P.plan(GPT, A100, P.with_sizes(c, scatter_gather=True))
+    assert sg.comm_bytes["pp"] == pytest.approx(plain.comm_bytes["pp"] / 8)
+    assert sg.exposed["pp"] < plain.exposed["pp"]
+    dist = P.plan(GPT, A100, P.with_sizes(c, distributed_optimizer=True))
+    assert dist.memory["optimizer"] == pytest.approx(plain.memory["optimizer"] / 2)
+
+
+def test_the_memory_margin_is_kept_free():
+    pl = P.plan(GPT, A100, P.Composition(dp=8, tp=8))
+    tight = P.Cluster.preset("a100-80gb-sxm", 64, memory_margin=80e9 - pl.total_memory + 1)
+    assert pl.fits and not P.plan(GPT, tight, P.Composition(dp=8, tp=8)).fits
+    assert "margin" in P.plan(GPT, tight, P.Composition(dp=8, tp=8)).reasons[0]
+
+
+def test_search_tries_every_divisor_and_gives_reasons():
+    assert P.divisors(12) == [1, 2, 3, 4, 6, 12]
+    cluster = P.Cluster.preset("a100-80gb-sxm", 24)
+    ok, bad = P.search(GPT, cluster, zero_stages=(0, 1), recompute=("selective",), cp_sizes=(1,), top=200)
+    assert {3, 6, 12, 24} <= {pl.comp.pp for pl in ok + bad}                # pipeline sizes that are not 2^k
+    assert {pl.comp.tp for pl in ok + bad} == {1, 2, 4, 8}                  # tp divides the 40 heads
+    assert [pl.step_time for pl in ok] == sorted(pl.step_time for pl in ok)
+    assert all(pl.reasons[0].startswith("fits") and len(pl.reasons) > 1 for pl in ok)
+    why = P.explain(ok[-1], ok[0])
+    assert why[0].startswith(str(ok[-1].comp)) and why[-1].startswith("  to settle it")
