@@ -185,7 +185,7 @@ def _step_case(ctx, p: int, schedule: str, m: int, kw: dict, words: str):
         g = got.get(name)
         if g is None:
             raise CheckFailed(f"[{words}] parameter {name} has no gradient after the step: backward_step must "
-                              "backpropagate every micro-batch (torch.autograd.backward(y, dy)).")
+                              "backpropagate every micro-batch it is given, from the gradient the next stage sent.")
         ctx.compare(g, want, f"gradient of {name}", atol=1e-12, rtol=1e-10, case=words,
                     detectors=[_m_times(m), _one_microbatch_only(m)],
                     extra={"per_microbatch": [mb[name] for mb in per_mb]})
