@@ -69,14 +69,18 @@ def test_the_reference_earns_full_marks_on_fresh_inputs_and_every_check_draws_ne
     published = COURSE_REQUESTS["reference"]
     points = {(r.exercise.id, c.name): c.max_score for r in published_results for c in r.checks}
     runs = [grade_recording("reference", os.urandom(32))]
-    same = {key for key, digests in published.items() if points.get(key, 0) > 0 and runs[0][1].get(key) == digests}
-    if same:   # a draw from a small set can repeat by chance: those exercises draw once more
-        runs.append(grade_recording("reference", os.urandom(32), sorted({ex for ex, _ in same})))
+    fixed = {key for key, digests in published.items() if points.get(key, 0) > 0 and runs[0][1].get(key) == digests}
+    # A draw from a small set (e.g. 5 head counts) repeats by chance: those exercises alone draw again, up to five
+    # times; a check whose inputs never change stays fixed (the chance of 6 chance repeats in 5 is 1 in 15,625).
+    for _ in range(5):
+        if not fixed:
+            break
+        runs.append(grade_recording("reference", os.urandom(32), sorted({ex for ex, _ in fixed})))
+        fixed = {key for key in fixed if runs[-1][1].get(key) == published[key]}
     for results, _ in [(published_results, None), *runs]:
         lost = [(r.exercise.id, c.name, c.message[:200]) for r in results for c in r.checks if not c.passed]
         assert not lost, lost
-    fixed = [key for key in same if all(seen.get(key) == published[key] for _, seen in runs)]
-    assert not fixed, f"checks whose inputs do not change with the seed: {fixed}"
+    assert not fixed, f"checks whose inputs do not change with the seed: {sorted(fixed)}"
     assert len(published) >= 100 and runs[0][1]   # the digests were recorded
 
 
