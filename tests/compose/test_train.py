@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -234,3 +236,35 @@ def test_torchrun_script_prints_the_single_process_losses(tmp_path):
     losses, _ = truth(tuple(sorted(config.items())))
     assert max(abs(float(ln[3]) - b) for ln, b in zip(lines, losses)) <= TOL, (lines, losses)
     assert "RankGrid(2, tp=1, cp=2, dp=1, pp=1, ep=2)" in proc.stdout
+
+
+def test_two_torchrun_agents_with_a_c10d_rendezvous_train_one_grid_as_one_process(tmp_path):
+    """The README's several-machines command, on this machine: two torchrun agents (two "nodes" of 2 ranks)
+    meet at a c10d rendezvous and train dp2 × tp2 across them; the losses are the single process's."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    script = [str(ROOT / "scripts" / "train_composed.py"), "--dp", "2", "--tp", "2", "--steps", str(STEPS),
+              "--layers", "2", "--d-model", "16", "--heads", "2", "--d-ff", "32", "--seq-len", "8", "--timeout", "30"]
+    agents = []
+    try:
+        for node in range(2):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                   "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                   "--rdzv-id", f"course-{port}", "--max-restarts", "0", *script]
+            agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                           cwd=tmp_path, start_new_session=True))
+        outs = [a.communicate(timeout=120) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+                a.wait()
+    for node, (a, (out, err)) in enumerate(zip(agents, outs)):
+        assert a.returncode == 0, f"agent {node}:\n{out[-3000:]}\n{err[-3000:]}"
+    lines = [ln.split() for out, _ in outs for ln in out.splitlines() if ln.startswith("step ")]
+    assert [int(ln[1]) for ln in lines] == list(range(STEPS)), outs      # printed once, by global rank 0
+    losses, _ = truth(tuple(sorted(DENSE.items())))
+    assert max(abs(float(ln[3]) - b) for ln, b in zip(lines, losses)) <= TOL, (lines, losses)
+    assert any("RankGrid(4, tp=2, cp=1, dp=2, pp=1" in out for out, _ in outs), outs
