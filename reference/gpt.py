@@ -203,7 +203,7 @@ class TinyGPT(nn.Module):
 
 def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int = 0, dtype=torch.float64,
                  model: TinyGPT | None = None, text: str | None = None, num_microbatches: int = 1, dp: int = 1,
-                 **config) -> list[float]:
+                 clip_grad_norm: float | None = None, grad_norms: list | None = None, **config) -> list[float]:
     """Train the tiny GPT on one process with Adam; return the loss of every step.
 
     ``config`` overrides :class:`GPTConfig` fields (e.g. ``layers=2, num_experts=4``).  Parameters
@@ -215,6 +215,10 @@ def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int
     b = B/dp rows — with loss = Σ_i loss_i / m.  The same cross-entropy (up to rounding); the MoE
     aux loss becomes the mean over micro-batches of each one's aux loss, as Megatron's pipeline
     computes it (routing group = one micro-batch's tokens).
+
+    ``clip_grad_norm`` c: ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` once per step,
+    after the whole step's gradient (all its micro-batches) and before Adam; each step's norm before
+    clipping is appended to ``grad_norms`` if a list is given (reference.compose.clip does the same on a grid).
     """
     data, alphabet = encode(text if text is not None else corpus())
     if model is None:
@@ -229,6 +233,14 @@ def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int
         groups = [torch.cat([torch.arange(r * b + i * n, r * b + (i + 1) * n) for r in range(dp)])
                   for i in range(num_microbatches)]
     opt = torch.optim.Adam(model.parameters(), lr=lr)
+
+    def step_opt():
+        if clip_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+            if grad_norms is not None:
+                grad_norms.append(float(norm))
+        opt.step()
+
     losses = []
     for step in range(steps):
         x, y = get_batch(data, step, batch_size, model.cfg.seq_len, seed)
@@ -239,13 +251,13 @@ def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int
                 loss = model.loss(x[rows], y[rows]) / num_microbatches
                 loss.backward()
                 total += loss.item()
-            opt.step()
+            step_opt()
             losses.append(total)
             continue
         loss = model.loss(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        opt.step()
+        step_opt()
         losses.append(loss.item())
     return losses
 

@@ -4,6 +4,7 @@
     torchrun --standalone --nproc-per-node 8 scripts/train_composed.py --dp 2 --tp 2 --pp 2 --microbatches 2
     torchrun --standalone --nproc-per-node 4 scripts/train_composed.py --dp 4 --ep 2 --experts 4
     torchrun --standalone --nproc-per-node 4 scripts/train_composed.py --dp 2 --cp 2 --zero 2
+    torchrun --standalone --nproc-per-node 4 scripts/train_composed.py --tp 2 --cp 2 --clip-grad-norm 0.5
     torchrun --standalone --nproc-per-node 8 scripts/train_composed.py --dp 2 --tp 2 --pp 2 --ep 2 --experts 4
     python scripts/train_composed.py --single --steps 5          # the single-process ground truth
     python scripts/train_composed.py --single --pp 2 --dp 2 --experts 4   # its truth (aux per micro-batch)
@@ -15,6 +16,10 @@ timeout.  Rank 0 prints ``step <i> loss <value>`` per step (17 significant digit
 equal ``reference.gpt.train_single``'s to ~1e-15) — ``--single`` prints those.  With MoE layers
 and pp > 1 each micro-batch has its own aux loss: ``--single`` then accumulates over the same
 micro-batches (give it the run's --pp, --dp and --microbatches).
+
+``--clip-grad-norm C`` clips the gradients to global norm C before every step (torch's
+``clip_grad_norm_`` with ``--single``, reference.compose.clip on the grid); each step's line then
+ends with `` grad_norm <value>``, the norm before clipping.
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage over the dp·cp ranks (default 0)")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule (pp > 1): 1f1b, gpipe or zb_h1")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default pp; 1 without pp)")
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="C",
+                   help="clip the gradients to global norm C before each step (default: no clipping)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -59,12 +66,19 @@ def main(argv=None) -> None:
     config = dict(layers=args.layers, d_model=args.d_model, heads=args.heads, d_ff=args.d_ff,
                   seq_len=args.seq_len, num_experts=args.experts, top_k=args.top_k)
     m = args.microbatches or args.pp
+    clip = args.clip_grad_norm
+
+    def line(step: int, loss: float, norm: float | None) -> str:
+        return f"step {step} loss {loss:.17g}" + ("" if norm is None else f" grad_norm {norm:.17g}")
+
     if args.single:
         from reference.gpt import train_single
         same_microbatches = dict(num_microbatches=m, dp=args.dp) if args.experts and args.pp > 1 else {}
-        for step, loss in enumerate(train_single(args.steps, batch_size=args.batch_size, lr=args.lr,
-                                                 seed=args.seed, **same_microbatches, **config)):
-            print(f"step {step} loss {loss:.17g}", flush=True)
+        norms: list[float] = []
+        losses = train_single(args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                              clip_grad_norm=clip, grad_norms=norms, **same_microbatches, **config)
+        for step, loss in enumerate(losses):
+            print(line(step, loss, norms[step] if clip is not None else None), flush=True)
         return
 
     import torch.distributed as dist
@@ -84,10 +98,11 @@ def main(argv=None) -> None:
                                     num_microbatches=m, zero=args.zero, device=device, **config)
         if dist.get_rank() == 0:
             print(f"{model.grid!r} on {backend}: {dist.get_world_size()} processes", flush=True)
-        report = ((lambda step, loss: print(f"step {step} loss {loss:.17g}", flush=True))
+        report = ((lambda step, loss: print(line(step, loss, model.grad_norm), flush=True))
                   if dist.get_rank() == 0 else None)
         workers.fit(model, data, args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                    schedule=args.schedule, num_microbatches=m, zero=args.zero, on_step=report)
+                    schedule=args.schedule, num_microbatches=m, zero=args.zero, clip_grad_norm=clip,
+                    on_step=report)
     finally:
         dist.destroy_process_group()
 

@@ -362,6 +362,7 @@ class ParallelGPT(nn.Module):
 
         # Every parameter, by its single-process name (the module names above are those), and its cut.
         self.shards: dict[str, Shard] = shard_table(self)
+        self.grad_norm: float | None = None         # ‖g‖ before clipping, set by compose.train_step (compose.clip)
 
     # -- parameters by the group their gradient is synchronised over (see the module docstring) --
 

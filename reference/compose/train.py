@@ -18,6 +18,10 @@ The step, on every rank (``train_step``)::
                                            all-reduce (a DDP bucket, lecture 3); experts: Σ over
                                            edp, ÷ dp·cp (moe.sync_moe_gradients)
       ▼
+    (clip_grad_norm=c)                  ‖g‖ of the whole model: each rank's squares of the gradients it
+                                        owns, one all-reduce of one number (``what="grad_norm"``);
+                                        every gradient × min(1, c/(‖g‖ + 1e-6))  (compose.clip)
+      ▼
     Adam step on my shards              elementwise, so sharded Adam = full Adam
       ▼
     loss of the whole batch             one all-reduce of one number (``what="loss"``): the last
@@ -69,6 +73,7 @@ from ..pipeline import balanced_sizes, run_pipeline
 from ..sequence import shard_sequence
 from ..tensor import sync_sequence_parallel_grads
 from ..trace import COMM_OPS
+from .clip import clip_grad_norm_
 from .estimate import step_bytes
 from .parallel_gpt import ParallelGPT, padded_vocab
 from .zero import zero_bytes
@@ -131,11 +136,13 @@ def global_loss(model: ParallelGPT, loss: torch.Tensor | None) -> float:
 
 
 def train_step(model: ParallelGPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
-               schedule: str = "1f1b", num_microbatches: int = 1) -> float:
+               schedule: str = "1f1b", num_microbatches: int = 1, clip_grad_norm: float | None = None) -> float:
     """One step on the global batch (x, y) (B, S), the same on every rank.  Returns its loss.
 
     pp > 1: ``schedule`` is one of reference.pipeline's with one chunk per rank ("gpipe", "1f1b",
-    "zb_h1"), over ``num_microbatches`` equal micro-batches of this rank's rows.
+    "zb_h1"), over ``num_microbatches`` equal micro-batches of this rank's rows.  ``clip_grad_norm``
+    c: the synchronised gradients are clipped to global norm c before the step (.clip); the norm
+    before clipping is left in ``model.grad_norm`` (None without clipping: no extra message).
     """
     x, y = local_batch(x, y, model)
     optimizer.zero_grad(set_to_none=True)
@@ -146,9 +153,15 @@ def train_step(model: ParallelGPT, optimizer: torch.optim.Optimizer, x: torch.Te
     else:
         loss = run_pipeline(model, schedule, x, y, model.loss_fn, num_microbatches=num_microbatches,
                             group=model.groups["pp"], shapes=model.stage_shapes(x.shape[0] // num_microbatches))
-    if not getattr(optimizer, "syncs_gradients", False):     # ZeRO (compose.zero) reduces inside its step
+    norm = None
+    if getattr(optimizer, "syncs_gradients", False):         # ZeRO (compose.zero) reduces (and clips) in its step
+        norm = optimizer.step() if clip_grad_norm is None else optimizer.step(clip_grad_norm)
+    else:
         sync_gradients(model)
-    optimizer.step()
+        if clip_grad_norm is not None:
+            norm = clip_grad_norm_(model, clip_grad_norm)
+        optimizer.step()
+    model.grad_norm = norm
     return global_loss(model, loss)
 
 
@@ -160,14 +173,16 @@ _TP_WHAT = {"max", "sum_exp", "target_logit"}          # vocab_parallel_cross_en
 _EP_WHAT = {"dispatch", "combine", "counts", "check_input", "dispatch.backward", "combine.backward"}
 _WHAT_AXIS = {"kv": "cp", "dkv": "cp", "dense_grads": "dp_cp", "expert_grads": "edp", "activation": "pp",
               "grads": "dp_cp", "params": "dp_cp",                     # ZeRO's reduce and all-gather (zero.py)
-              "gradient": "pp", "aux_loss": "aux", "loss": "report", "unshard": "unshard", "shape": "pp"}
+              "gradient": "pp", "aux_loss": "aux", "loss": "report", "unshard": "unshard", "shape": "pp",
+              "grad_norm": "clip"}
 
 
 def axis_of(event) -> str:
     """The axis a communication event belongs to, from its meta ("other" if unknown).
 
     "aux" is the load-balancing loss's statistics (2E+1 numbers per MoE layer over dp_cp),
-    "report" the loss all-reduce, "unshard" the gathering of parameters after training.
+    "report" the loss all-reduce, "clip" the gradient norm's (both one number over the world),
+    "unshard" the gathering of parameters after training.
     """
     m = event.meta
     what = m.get("what", "")

@@ -76,16 +76,20 @@ def build(sizes: dict, *, batch_size: int = 4, seed: int = 0, sequence_parallel:
 
 
 def fit(model: ParallelGPT, data: torch.Tensor, steps: int, *, batch_size: int = 4, lr: float = 3e-3,
-        seed: int = 0, schedule: str = "1f1b", num_microbatches: int = 1, zero: int = 0, on_step=None) -> list[float]:
+        seed: int = 0, schedule: str = "1f1b", num_microbatches: int = 1, zero: int = 0,
+        clip_grad_norm: float | None = None, on_step=None) -> list[float]:
     """``steps`` steps of :class:`Adam` (lr) on the batches :func:`reference.gpt.train_single` uses; the loss
     of each (the same on every rank).  ``zero`` 1 or 2: Adam's state sharded over dp_cp
-    (:class:`.zero.ComposedZero`).  ``on_step(step, loss)`` is called after each step."""
+    (:class:`.zero.ComposedZero`).  ``clip_grad_norm`` c: gradients clipped to global norm c before
+    each step (.clip; the norm before clipping in ``model.grad_norm``).  ``on_step(step, loss)`` is
+    called after each step."""
     opt = ComposedZero(model, zero, Adam, lr=lr) if zero else Adam(model.parameters(), lr=lr)
     device = next(model.parameters()).device
     losses = []
     for step in range(steps):
         x, y = (t.to(device) for t in get_batch(data, step, batch_size, model.cfg.seq_len, seed))
-        losses.append(train_step(model, opt, x, y, schedule=schedule, num_microbatches=num_microbatches))
+        losses.append(train_step(model, opt, x, y, schedule=schedule, num_microbatches=num_microbatches,
+                                 clip_grad_norm=clip_grad_norm))
         if on_step is not None:
             on_step(step, losses[-1])
     return losses
@@ -93,20 +97,25 @@ def fit(model: ParallelGPT, data: torch.Tensor, steps: int, *, batch_size: int =
 
 def train_worker(sizes: dict, steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int = 0,
                  sequence_parallel: bool = False, schedule: str = "1f1b", num_microbatches: int = 1,
-                 zero: int = 0, params: str = "rank0", **config) -> dict:
+                 zero: int = 0, params: str = "rank0", clip_grad_norm: float | None = None, **config) -> dict:
     """Train on the grid ``sizes`` (e.g. ``{"dp": 2, "tp": 2}``) for ``steps`` steps; every rank runs it.
 
     ``config``: GPTConfig fields, as for ``train_single``.  Returns {"losses": per step (equal on
     every rank), "coords": this rank's grid coordinates, "params": {single-process name: full
     tensor}}, "params" on rank 0 only by default (``params="all"``: on every rank, "none": nowhere).
+    ``clip_grad_norm`` c: global-norm clipping (.clip), and "grad_norms": ‖g‖ of each step before it.
     The parameters are gathered after training (traced ``what="unshard"`` and raw events), outside
     every axis's step bytes.
     """
     model, data = build(sizes, batch_size=batch_size, seed=seed, sequence_parallel=sequence_parallel,
                         num_microbatches=num_microbatches, zero=zero, **config)
+    norms = []
     losses = fit(model, data, steps, batch_size=batch_size, lr=lr, seed=seed, schedule=schedule,
-                 num_microbatches=num_microbatches, zero=zero)
+                 num_microbatches=num_microbatches, zero=zero, clip_grad_norm=clip_grad_norm,
+                 on_step=lambda step, loss: norms.append(model.grad_norm))
     out = {"losses": losses, "coords": model.coords}
+    if clip_grad_norm is not None:
+        out["grad_norms"] = norms
     if params != "none":
         full = full_state_dict(model)
         if params == "all" or comm.rank() == 0:

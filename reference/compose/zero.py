@@ -16,12 +16,16 @@ first summed over tp, as in :func:`.train.sync_gradients`.
 Bytes on dp_cp per step (S = ⌈P/N⌉ elements, P the rank's dense parameters padded to N·S):
 stage 1 sends 2(N−1)·S·b (all-reduce) + (N−1)·S·b (all-gather), 1.5× the plain all-reduce;
 stage 2 sends (N−1)·S·b + (N−1)·S·b, the same as the all-reduce (lecture 3).
+
+Gradient clipping (``step(max_norm)``) goes between the reduction and Adam, inside lecture 3's
+:func:`reference.data.zero.zero_step`: the norm is summed over the dp·cp shards (.clip.clip_zero_).
 """
 from __future__ import annotations
 
-from ..data.zero import ZeroOptimizer, shard_size
+from ..data.zero import ZeroOptimizer, shard_size, zero_step
 from ..moe import sync_moe_gradients
 from ..tensor import sync_sequence_parallel_grads
+from .clip import clip_zero_
 
 __all__ = ["ComposedZero", "zero_bytes"]
 
@@ -46,13 +50,33 @@ class ComposedZero:
         self.dense.zero_grad(set_to_none)
         self.experts.zero_grad(set_to_none)
 
-    def step(self) -> None:
+    def step(self, max_norm: float | None = None) -> float | None:
+        """Synchronise, (``max_norm``: clip to that global norm, .clip), update.  Returns the norm
+        before clipping, or None without ``max_norm`` (then no extra message)."""
         m = self.model
         sync_sequence_parallel_grads(m.sequence_parallel_params(), group=m.groups["tp"])
         if m.expert_params() and m.grid.dp * m.grid.cp > 1:
             sync_moe_gradients([], m.expert_params(), dp_group=m.groups["dp_cp"], expert_dp_group=m.groups["edp"])
-        self.dense.step()
+        if max_norm is None:
+            self.dense.step()
+            self.experts.step()
+            return None
+        d = self.dense                 # lecture 3's step, with the clip between its reduction and Adam
+        clipped = _ClipFirst(lambda: clip_zero_(m, d, max_norm), d.optimizer)
+        zero_step(d.params, d.shard, clipped, stage=d.stage, group=d.group)
         self.experts.step()
+        return clipped.norm
+
+
+class _ClipFirst:
+    """The optimizer ``zero_step`` is given: ``step()`` keeps ``clip()``'s norm, then steps ``optimizer``."""
+
+    def __init__(self, clip, optimizer):
+        self.clip, self.optimizer, self.norm = clip, optimizer, None
+
+    def step(self) -> None:
+        self.norm = self.clip()
+        self.optimizer.step()
 
 
 def zero_bytes(stage: int, dense_params: int, n: int, bytes_per_element: int) -> int:
