@@ -23,7 +23,11 @@ generator seeded ``(seed, h)``, so rank r's streams differ from every other rank
 over ranks is the single-process mask.  In the replicated region (after g, before the residual)
 every rank must draw the SAME mask, or the replicas drift apart: the mask of the whole (S, B, d)
 activation comes from one generator seeded ``seed`` on every rank; under sequence parallelism
-each rank applies its own rows of it.  (Megatron keeps two RNG states for the same purpose.)
+each rank applies its own rows of it — masks that differ across ranks and whose union is the
+single-process mask, at W× the random numbers a rank uses.  Megatron does it otherwise: a default
+RNG state, alike on the tensor-parallel ranks, for replicated regions, and a per-tp-rank state
+(``get_cuda_rng_tracker().fork()``) for attention dropout and, under sequence parallelism, for the
+whole layer — each rank draws only its slice's mask, reproducible but not the single-process one.
 
 With sequence parallelism the LayerNorm weights and the row-parallel biases act on this rank's
 rows only, so each rank's gradient is a PARTIAL sum: :func:`sync_sequence_parallel_grads` sums

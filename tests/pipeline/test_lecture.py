@@ -113,13 +113,21 @@ def test_reference_scores_full_marks_and_stubs_score_zero(course_grades):
     ("mutant", "4.4", "1F1B warms up with min(m, p − s − 1)"),
     ("mutant", "4.5", "each micro-batch's loss must be divided by m"),
     ("acc", "4.5", "gradients must accumulate over micro-batches"),
-    ("mutant", "4.6", "fraction of the ideal compute time"),
+    ("mutant", "4.6", "Megatron-LM's convention (the bubble relative to the ideal time"),
 ])
 def test_the_grader_names_the_classic_mistake(mutants, who, ex_id, words):
     res = mutants[who][ex_id]
     failed = [c.message for c in res.checks if not c.passed]
     assert any(words in m for m in failed), failed
     assert res.score < res.max_score
+
+
+def test_the_bubble_feedback_nudges_without_giving_the_formula(mutants):
+    """(p−1)/m is Megatron-LM's convention, not a slip: the feedback names it and asks for the fraction of the
+    step, without writing the answer's denominator."""
+    failed = [c.message for c in mutants["mutant"]["4.6"].checks if not c.passed]
+    assert any("fraction of the step" in m for m in failed), failed
+    assert not any("slip" in m or "m + p − 1" in m or "m+p−1" in m for m in failed), failed
 
 
 ORDER_ONLY = '''

@@ -159,6 +159,15 @@ def test_impossible_combinations_raise_value_error(args, kwargs, match):
         bubble_fraction(*args, **kwargs)
 
 
+def test_interleaving_refuses_m_not_a_multiple_of_p_naming_both():
+    """Notebook 04b skips these points of its plot with this message instead of drawing NaN."""
+    for call in (lambda: schedule("interleaved_1f1b", 8, 12, virtual_stages=4),
+                 lambda: bubble_fraction("interleaved_1f1b", 8, 12, virtual_stages=4)):
+        with pytest.raises(ValueError, match=r"num_microbatches \(12\) must be a multiple of num_stages \(8\)"):
+            call()
+    assert bubble_fraction("interleaved_1f1b", 8, 16, virtual_stages=4) == pytest.approx(7 / 71)
+
+
 def test_docstring_diagrams_are_what_render_draws():
     doc = schedules.__doc__
     diagrams = {"GPipe, p=4, m=4": ("gpipe", 4, 4), "1F1B (PipeDream-Flush), p=4, m=8": ("1f1b", 4, 8)}

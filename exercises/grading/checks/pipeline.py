@@ -299,9 +299,10 @@ def _bubble_case(ctx, name: str, p: int, m: int, v: int = 1, truth: str = "measu
     if abs(got - want) <= 1e-12:
         return
     hint = ""
-    if abs(got - (p - 1) / m) < 1e-12:
-        hint = (" (p−1)/m is the bubble as a fraction of the ideal compute time (Megatron's form); the idle fraction "
-                "of the whole run divides by the total, (p−1)/(m + p − 1).")
+    ideal = {"interleaved_1f1b": v * m, "zb_h1": 3 * m}.get(name, m)     # the slots of work alone
+    if any(abs(got - (p - 1) / w) < 1e-12 for w in (m, ideal)):
+        hint = (" That is Megatron-LM's convention (the bubble relative to the ideal time, the slots of work "
+                "alone); this exercise asks for the fraction of the step: what is the step's whole length in slots?")
     elif abs(got - (p - 1) / p) < 1e-12:
         hint = " (p−1)/p is the naive pipeline without micro-batches; m micro-batches shrink it."
     elif v > 1 and abs(got - (p - 1) / (m + p - 1)) < 1e-12:
