@@ -72,9 +72,11 @@ def sweep(keep: Sequence[int] = ()) -> int:
         return 0
     me = os.getpid()
     desc = _descendants(me)
-    spared = set(keep)
-    for k in keep:
-        spared |= set(_descendants(k))
+    spared, grown = set(keep), True
+    while grown:              # and everything under a spared process
+        under = {pid for pid, (ppid, _) in desc.items() if ppid in spared} - spared
+        spared |= under
+        grown = bool(under)
     killed = 0
     for pid, (ppid, state) in desc.items():
         if pid in spared:
@@ -135,6 +137,9 @@ def grade(solutions: str = "exercises", ids: Sequence[str] | None = None, *, inc
         progress(f"(this machine is {factor:g}× slower or busier than the course's: every time limit × {factor:g})")
     results: list[ExerciseResult] = []
     started: list[Runner] = []
+    # Processes this one ran before grading (a kept-alive World of the caller's, a notebook's) are not the
+    # submission's: the sweep after each exercise spares them.
+    before = list(_descendants(os.getpid())) if _CONTAINED else []
 
     def new_runner(ex: Exercise) -> Runner:
         r = Runner(solutions, guard, ex.lockdown()).start()
@@ -152,7 +157,7 @@ def grade(solutions: str = "exercises", ids: Sequence[str] | None = None, *, inc
                                                end, factor))
             finally:
                 runner.kill()
-                sweep(keep=spare)
+                sweep(keep=spare + before)
             if on_exercise is not None:
                 on_exercise(list(results))
     finally:

@@ -202,3 +202,17 @@ def test_time_limits_grow_on_a_slow_or_busy_machine_unless_a_limit_is_given(monk
                             factor=machine.machine_factor())
     session._grade_exercise(ex, "exercises", runner=None, include_hidden=False, progress=None, timeout=5)
     assert seen == [40.0, 5.0]
+
+
+def test_grading_in_process_spares_the_callers_own_kept_alive_world(world):
+    """The sweep after each exercise kills what the submission left behind, not what the caller ran before
+    grading began (a notebook's kept-alive World, this session's worlds): the World still runs afterwards."""
+    from exercises.grading import session
+    from tests.workers import launch_workers as W
+    w = world(2)
+    assert session.contain()           # as the command line does: adopt what a submission detaches
+    (res,) = session.grade("reference", ["5c.1"], include_hidden=False)
+    assert res.score == res.max_score
+    time.sleep(0.5)
+    assert w.alive, "the sweep killed the caller's own ranks"
+    assert w.run(W.rank_and_size, 7).values == [(0, 2, 7), (1, 2, 7)]
