@@ -26,6 +26,12 @@ lab: $(VENV)/.stamp-lab
 
 test: $(VENV)/.stamp-test
 	$(VPY) -m pytest
+# Benchmarks, not tests: every speed benchmark against its peer, one table of ratios (benchmarks/bench.py); quick
+# sizes (about a minute on 2 cores), `make bench FULL=1` each benchmark's own sizes (about three).  In test's block so
+# that the student release's Makefile leaves it out with test (release.py's student_makefile): no benchmarks/ there.
+.PHONY: bench
+bench: $(VENV)/.stamp-test
+	$(VPY) benchmarks/bench.py $(if $(filter-out 0 no false,$(FULL)),--full,)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

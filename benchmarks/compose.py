@@ -10,8 +10,9 @@ On ``--dp`` ranks × 1 thread (gloo), the tiny GPT (``--layers`` blocks of width
 
 Seconds per step = median over the steps after the first two, slowest rank; the two alternate
 ``--rounds`` times in one world and the best median of each is kept.  Printed: both and the ratio
-of speeds (ours ÷ DDP, 1.0 = as fast).  ``tests/compose/test_peers.py`` checks both give the same
-losses and parameters.  Figures from a shared 2-core machine are indicative only: quote the ratios.
+of speeds (ours ÷ DDP, 1.0 = as fast); :func:`rows` returns the same figures for
+``benchmarks/bench.py``.  ``tests/compose/test_peers.py`` checks both give the same losses and
+parameters.  Figures from a shared 2-core machine are indicative only: quote the ratios.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def ddp_seconds(steps: int, *, batch: int, **config) -> list[float]:
     return ddp_worker(steps, batch_size=batch, timed=True, **config)["seconds"]
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> list[dict]:
+    """Measure, print, and return the figures as rows for ``benchmarks/bench.py``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
@@ -76,6 +78,14 @@ def main(argv=None) -> None:
     print(f"  ours (reference.compose)   {best['ours'] * 1e3:8.2f} ms/step")
     print(f"  torch DDP + Adam           {best['DDP'] * 1e3:8.2f} ms/step")
     print(f"  speed ours ÷ DDP = {best['DDP'] / best['ours']:.2f}×")
+    return [dict(pair=f"composed run dp={a.dp} (tiny GPT {a.layers}×{a.d_model}) vs DDP + Adam",
+                 ours=best["ours"] * 1e3, peer=best["DDP"] * 1e3, unit="ms/step", ratio=best["DDP"] / best["ours"],
+                 target=0.95)]
+
+
+def rows(quick: bool = True) -> list[dict]:
+    """The table's rows (``benchmarks/bench.py``): what the command line prints, as data."""
+    return main(["--quick"] if quick else [])
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ one-hot dispatch: ``einsum("sec,sm->ecm")`` and ``einsum("sec,ecm->sm")`` cost O
 O(2·T²·d) per rank, quadratic in the tokens, where an index-based dispatch moves k·T rows.
 
 The ranks import this file as the module ``moe`` (its directory is on ``sys.path``).  Figures
-vary on a shared machine: quote the ratios of one run.
+vary on a shared machine: quote the ratios of one run.  :func:`rows` returns the printed ratios
+(ours ÷ one process with W threads, ours ÷ fairscale, the cost per token as E grows) for
+``benchmarks/bench.py``.
 """
 from __future__ import annotations
 
@@ -247,7 +249,7 @@ def flops_per_token(d_model: int, d_ff: int, num_experts: int, k: int) -> tuple[
     return k * 2 * (2 * d_model * d_ff), 2 * d_model * num_experts
 
 
-def sparse_scaling(args) -> None:
+def sparse_scaling(args) -> dict:
     d, d_ff, k, T = args.d_model, args.d_ff, 2, args.scaling_tokens
     print(f"\n2. Compute per token as experts grow (top-{k}, dropless, d_model={d}, d_ff={d_ff}, "
           f"T={T} tokens, one process, 1 thread, forward + backward)")
@@ -285,9 +287,25 @@ def sparse_scaling(args) -> None:
     print(f"   E {E0} → {E1}: parameters ×{p1 / p0:.1f}, counted FLOPs/token ×{f1 / f0:.3f}, "
           f"measured CPU time/token ×{u1 / u0:.2f} (flat means within 15%: "
           f"{'yes' if abs(u1 / u0 - 1) <= 0.15 else 'no'})")
+    return dict(pair=f"MoE CPU time/token, E={E1} vs E={E0} (params ×{p1 / p0:.1f}, d={d}, dropless)", ours=u1,
+                peer=u0, unit="CPU µs/token", ratio=u0 / u1, aim=1 / 1.15,
+                note="how the cost grows: 'ours' = the larger E; flat = within 15 %")
 
 
-def main(argv=None) -> None:
+def table_rows(size: dict, res: dict, W: int) -> list[dict]:
+    """The table's rows of one mode at one size (``benchmarks/bench.py``): speed ours ÷ the bar."""
+    n, mode = W * size["tokens"], res["mode"]
+    what = f"MoE d={size['d_model']} E={size['num_experts']} {size['tokens']} tok/rank"
+    if mode.startswith("cf=1"):
+        return [dict(pair=f"{what}, padded cf=1: EP {W} ranks vs fairscale MOELayer {W} ranks", ours=n / res["ours"],
+                     peer=n / res["fairscale"], unit="tok/s", ratio=res["fairscale"] / res["ours"], target=None)]
+    return [dict(pair=f"{what}, {'padded' if mode == 'capacity' else mode}: EP {W} ranks vs 1 process {W} threads",
+                 ours=n / res["ours"], peer=n / res["loop W threads"], unit="tok/s",
+                 ratio=res["loop W threads"] / res["ours"], target=0.95)]
+
+
+def main(argv=None) -> list[dict]:
+    """Measure, print, and return the ratios as rows for ``benchmarks/bench.py``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes, a few seconds per row")
     ap.add_argument("--no-peer", action="store_true", help="do not run fairscale")
@@ -307,13 +325,22 @@ def main(argv=None) -> None:
           "(part 1 is wall-clock: other load on the machine slows it; compare the ratios)")
     from reference.launch import World
     torch.set_num_threads(1)
+    out = [] if peer or args.no_peer else [dict(pair="MoE EP vs fairscale MOELayer (GShard)",
+                                                error=f"peer missing: could not install {PEER_PACKAGES[0]}")]
     with World(args.ranks, timeout=900, echo=True, record=False) as world:   # no trace: time the layer only
         for size in sizes:
-            throughput(world, size, reps, peer)
+            for res in throughput(world, size, reps, peer):
+                out.extend(table_rows(size, res, args.ranks))
     print("\n   gloo alone = the same collectives, same sizes, no computation: what is gloo's.  The rest of 'ours'"
           " is computation (the experts' matmuls dominate) and waiting for the busiest rank: routing decides how"
           " many rows each rank's experts get, while one process splits every matmul evenly over its threads")
-    sparse_scaling(args)
+    out.append(sparse_scaling(args))
+    return out
+
+
+def rows(quick: bool = True, peer: bool = True) -> list[dict]:
+    """The table's rows (``benchmarks/bench.py``): what the command line prints, as data."""
+    return main((["--quick"] if quick else []) + ([] if peer else ["--no-peer"]))
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ the pipeline is what is measured).  Per schedule (GPipe and 1F1B):
 Seconds per step = median over ``--steps`` after 2 warm-up steps, slowest rank; the two
 implementations alternate ``--rounds`` times in the same world and the best median of each is
 kept, so the machine's load hits both.  Printed: both figures and the ratio of speeds (ours ÷ torch,
-1.0 = as fast).  Shapes are agreed once before timing on both sides (torch caches them in its
-stages after the first step; we pass ``shapes=`` from ``infer_shapes``).  Figures from a shared
-2-core machine are indicative only: quote the ratios.
+1.0 = as fast); :func:`rows` returns them for ``benchmarks/bench.py``.  Shapes are agreed once
+before timing on both sides (torch caches them in its stages after the first step; we pass
+``shapes=`` from ``infer_shapes``).  Figures from a shared 2-core machine are indicative only:
+quote the ratios.
 """
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ def time_steps(impl: str, schedule: str, num_microbatches: int, *, layers: int, 
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv=None) -> list[dict]:
+    """Measure, print, and return both schedules' pairs as rows for ``benchmarks/bench.py``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller model, fewer steps")
     ap.add_argument("--layers", type=int, default=8)
@@ -83,11 +85,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8, help="rows per micro-batch")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per round (default 20, 8 with --quick)")
     ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     width = args.width or (256 if args.quick else 512)
     m = args.microbatches
     kw = dict(layers=args.layers, width=width, batch=m * args.rows, steps=args.steps or (8 if args.quick else 20))
     t0 = time.perf_counter()
+    out = []
     with World(2, timeout=600, echo=True, record=False) as world:
         print(f"2 ranks × 1 thread, {args.layers} × Linear({width}, {width}) float32 in 2 stages, "
               f"batch {kw['batch']} = {m} micro-batches × {args.rows} rows; seconds per step = median of "
@@ -98,8 +101,18 @@ def main() -> None:
             for _ in range(args.rounds):
                 for impl in ("ours", "torch"):
                     best[impl] = min(best[impl], max(world.run(time_steps, impl, name, m, **kw).values))
-            print(f"{name:9s} {best['ours']:12.4f} {best['torch']:13.4f} {best['torch'] / best['ours']:16.2f}×")
+            print(f"{name:9s} {best['ours']:12.4f} {best['torch']:13.4f} {best['torch'] / best['ours']:16.2f}×",
+                  flush=True)
+            out.append(dict(pair=f"pipeline {'GPipe' if name == 'gpipe' else '1F1B'} ({args.layers}×{width}, m={m}) "
+                                 "vs torch.distributed.pipelining", ours=best["ours"] * 1e3, peer=best["torch"] * 1e3,
+                            unit="ms/step", ratio=best["torch"] / best["ours"], target=1.0))
     print(f"\n(total {time.perf_counter() - t0:.0f} s; a shared, noisy machine: indicative figures, quote ratios)")
+    return out
+
+
+def rows(quick: bool = True) -> list[dict]:
+    """The table's rows (``benchmarks/bench.py``): what the command line prints, as data."""
+    return main(["--quick"] if quick else [])
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ traced iteration: exposed = time a rank waited for a hop that both ends had post
 compute (:func:`exposed_comm`); alone = the same hops timed without compute; hidden = 1 − exposed / alone.
 
 The ranks import this file as the module ``ring_attention`` (its directory is on ``sys.path``).
+:func:`rows` returns the printed ratios (ring ÷ SDPA and ring ÷ peer as speeds, with how the time
+grows with S) for ``benchmarks/bench.py``.
 """
 from __future__ import annotations
 
@@ -192,7 +194,8 @@ def ensure_peer(install: bool) -> bool:
     return peers.ensure("ring_attention_pytorch", PEER_PACKAGES, install=install)
 
 
-def main(argv=None):
+def main(argv=None) -> list[dict]:
+    """Measure, print, and return the ratios as rows for ``benchmarks/bench.py``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="S = 4096 only, 2 repeats")
     ap.add_argument("--seq", type=int, nargs="*", default=None, help="sequence lengths (default 4096 8192)")
@@ -209,7 +212,10 @@ def main(argv=None):
 
     print(f"ring attention benchmark: B=1, H={H}, D={D}, fp32, forward+backward, best of {repeats} "
           f"(+1 warm-up); ring on {W} ranks x 1 thread, SDPA in one process with {W} threads")
-    rows = []
+    result, last, peer_wrong = [], {}, None
+    if not args.no_peer and not peer:
+        result.append(dict(pair="ring attention vs ring-attention-pytorch",
+                           error=f"peer missing: could not install {PEER_PACKAGES[0]}"))
     with World(W, timeout=600, echo=True) as world:
         if peer:  # the peer is a reference point only if it computes attention: check it once
             import math
@@ -224,6 +230,7 @@ def main(argv=None):
                 print(f"  peer check ({'causal' if causal else 'non-causal'}): max |peer - SDPA| = {err:.1e}")
                 if not err < 1e-4 or math.isnan(err):
                     print("  the peer's result is wrong here; its timings are not comparable")
+                    peer_wrong = f"the peer's output is wrong (max |peer - SDPA| = {err:.1e}): not comparable"
         for S in seqs:
             for causal in (True, False):
                 layout = "zigzag" if causal else "contiguous"
@@ -239,7 +246,6 @@ def main(argv=None):
                 if peer:
                     world.run(peer_bench_worker, S, H, D, causal, 1)
                     peer_s = best_over_ranks(world.run(peer_bench_worker, S, H, D, causal, repeats).values)
-                rows.append((S, causal, layout, ring, sdpa, peer_s, alone, exposed, hidden))
                 pr = f"{peer_s:7.3f} s  ring/peer {ring / peer_s:5.2f}" if peer_s else "   (peer skipped)"
                 print(f"S={S:5d} {'causal    ' if causal else 'non-causal'} ({layout:10s}) ring {ring:7.3f} s   "
                       f"SDPA {sdpa:7.3f} s  ring/SDPA {ring / sdpa:5.2f}   peer {pr}   "
@@ -247,10 +253,36 @@ def main(argv=None):
                       f"ms, "
                       f"hidden {hidden:5.1%}",
                       flush=True)
+                result.extend(_table_rows(S, causal, layout, ring, sdpa, peer_s, peer_wrong, last))
     print("\nnote: 'exposed' includes the last dK/dV hop, which no compute can hide, and on 2 ranks x 2 cores "
           "gloo's transport threads have no idle core to run on during compute")
     print("aims: ring/SDPA <= 1.2 causal, <= 1.1 non-causal (limit 1.0); ring/peer <= 0.5 causal")
-    return rows
+    return result
+
+
+def _table_rows(S, causal, layout, ring, sdpa, peer_s, peer_wrong, last) -> list[dict]:
+    """One S's rows for the table: speeds ring ÷ SDPA and ring ÷ peer (the aims printed above, as
+    speeds), with how the times grew since the previous S (``last``, updated here)."""
+    kind = "causal" if causal else "non-causal"
+    note = None
+    if kind in last:
+        S0, ring0, sdpa0 = last[kind]
+        note = f"how the cost grows: S ×{S / S0:g} → ring ×{ring / ring0:.1f}, SDPA ×{sdpa / sdpa0:.1f}"
+    last[kind] = S, ring, sdpa
+    out = [dict(pair=f"ring attention {kind} ({layout}) S={S} vs SDPA (1 process, 2 threads)", ours=ring * 1e3,
+                peer=sdpa * 1e3, unit="ms/fwd+bwd", ratio=sdpa / ring, aim=1 / 1.2 if causal else 1 / 1.1, note=note)]
+    if peer_s is not None:
+        pair = f"ring attention {kind} S={S} vs ring-attention-pytorch"
+        out.append(dict(pair=pair, error=peer_wrong) if peer_wrong else
+                   dict(pair=pair, ours=ring * 1e3, peer=peer_s * 1e3, unit="ms/fwd+bwd", ratio=peer_s / ring,
+                        aim=2.0 if causal else None))
+    return out
+
+
+def rows(quick: bool = True, peer: bool = True) -> list[dict]:
+    """The table's rows (``benchmarks/bench.py``): S = 1024, 2048, 4096 when quick (how the cost
+    grows, cheaply), the command line's 4096 and 8192 otherwise."""
+    return main((["--quick", "--seq", "1024", "2048", "4096"] if quick else []) + ([] if peer else ["--no-peer"]))
 
 
 if __name__ == "__main__":

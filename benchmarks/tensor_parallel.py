@@ -6,7 +6,8 @@ In one run: the reference parallel MLP and attention (reference.tensor, 2 ranks 
 against PyTorch's DTensor tensor parallelism (``parallelize_module`` with ColwiseParallel /
 RowwiseParallel, 2 ranks × 1 thread) and against one process with 2 threads, float32,
 forward + backward, best of a few steps (two alternating rounds), at a few sizes.  Prints seconds and the ratio
-reference/DTensor speed (≥ 1 means the reference is faster).
+reference/DTensor speed (≥ 1 means the reference is faster); :func:`rows` returns the same figures for
+``benchmarks/bench.py``.
 
 Figures vary on a shared machine: quote the ratios.
 """
@@ -40,14 +41,16 @@ def single_process(kind: str, S: int, d: int, heads: int, iters: int, threads: i
     return best
 
 
-def main() -> None:
+def main(argv=None) -> list[dict]:
+    """Measure, print, and return the reference-vs-DTensor pairs as rows for ``benchmarks/bench.py``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one small size")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     sizes = [(256, 256)] if args.quick else [(256, 256), (512, 512), (1024, 768)]
     heads, iters = 8, 3
     print(f"{'block':>5} {'S':>5} {'d':>5} {'reference 2x1':>14} {'DTensor 2x1':>12} {'1 proc 2 thr':>13} "
           f"{'ref speed / DTensor':>20}")
+    out = []
     with World(2, timeout=600, echo=False, record=False) as world:
         for kind in ("mlp", "attn"):
             for S, d in sizes:
@@ -56,8 +59,17 @@ def main() -> None:
                     ours = min(ours, max(world.run(bench, kind, "reference", S, d, heads, iters).values))
                     peer = min(peer, max(world.run(bench, kind, "dtensor", S, d, heads, iters).values))
                     one = min(one, single_process(kind, S, d, heads, iters))
-                print(f"{kind:>5} {S:>5} {d:>5} {ours:>13.4f}s {peer:>11.4f}s {one:>12.4f}s {peer / ours:>19.2f}x")
+                print(f"{kind:>5} {S:>5} {d:>5} {ours:>13.4f}s {peer:>11.4f}s {one:>12.4f}s {peer / ours:>19.2f}x",
+                      flush=True)
+                out.append(dict(pair=f"TP {'MLP' if kind == 'mlp' else 'attention'} S={S} d={d} vs DTensor",
+                                ours=ours * 1e3, peer=peer * 1e3, unit="ms/fwd+bwd", ratio=peer / ours, target=0.95))
     print("(best of", iters, "steps each; seconds per forward + backward; a shared machine: quote the ratios)")
+    return out
+
+
+def rows(quick: bool = True) -> list[dict]:
+    """The table's rows (``benchmarks/bench.py``): what the command line prints, as data."""
+    return main(["--quick"] if quick else [])
 
 
 if __name__ == "__main__":
