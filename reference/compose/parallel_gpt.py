@@ -84,6 +84,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .. import comm
 from ..gpt import MLP, GPTConfig, MoEMLP, TinyGPT
@@ -163,14 +164,22 @@ def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
 
 class ComposedBlock(nn.Module):
     """TinyGPT's pre-LayerNorm block, copied: x + attn(ln1(x)), then + mlp(ln2(x)).  The axes of
-    :class:`ParallelGPT` swap its ``attn`` and ``mlp`` for their parallel versions."""
+    :class:`ParallelGPT` swap its ``attn`` and ``mlp`` for their parallel versions.  ``recompute``
+    "full": keep x only and run the block again in the backward, its tp, cp and ep messages included
+    (as reference.tensor.ParallelBlock; "selective" is the attention's, ContextParallelAttention)."""
 
-    def __init__(self, block):
+    def __init__(self, block, recompute: str = "none"):
         super().__init__()
         self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
         self.attn, self.mlp = copy.deepcopy(block.attn), copy.deepcopy(block.mlp)
+        self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "full":
+            return checkpoint(self._forward, x, use_reentrant=False, early_stop=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -179,20 +188,25 @@ class ContextParallelAttention(nn.Module):
     """A :class:`reference.tensor.ParallelSelfAttention` (my heads, tp) whose ``attend`` becomes
     :func:`reference.sequence.ring_attention` over the cp group (my zigzag chunks of the sequence;
     one local fused block when cp = 1).  It keeps the tp layer's ``qkv`` and ``proj``.
-    x: (S_l, B, d), or (S_l/tp, B, d) with sequence parallelism.
+    x: (S_l, B, d), or (S_l/tp, B, d) with sequence parallelism.  ``recompute`` "selective": keep
+    q, k, v and run the ring again in the backward (its K/V passes too, cp > 1).
     """
 
     def __init__(self, attn: ParallelSelfAttention, cp_group):
         super().__init__()
         self.qkv, self.proj, self.local_heads = attn.qkv, attn.proj, attn.local_heads
-        self.cp_group = cp_group
+        self.cp_group, self.recompute = cp_group, "none"
         self.layout = "zigzag" if comm.world_size(cp_group) > 1 else "contiguous"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)                     # (S_l, B, heads/tp · d_h) each
         S, B, _ = q.shape
         q, k, v = (t.reshape(S, B, self.local_heads, -1).permute(1, 2, 0, 3) for t in (q, k, v))
-        out = ring_attention(q, k, v, causal=True, layout=self.layout, group=self.cp_group)
+        kw = dict(causal=True, layout=self.layout, group=self.cp_group)
+        if self.recompute == "selective":
+            out = checkpoint(ring_attention, q, k, v, use_reentrant=False, early_stop=False, **kw)
+        else:
+            out = ring_attention(q, k, v, **kw)
         return self.proj(out.permute(2, 0, 1, 3).reshape(S, B, -1))
 
 
@@ -295,10 +309,16 @@ class ParallelGPT(nn.Module):
 
     Built one axis at a time: the pp step copies TinyGPT's modules of this stage, under their own
     names; each later step swaps some of them for their parallel versions under the same names.
+    ``recompute`` (Korthikanti et al. §5): "selective" recomputes each attention core, "full" each
+    block, in the backward (not with MoE layers: their router statistics would count twice).
     """
 
-    def __init__(self, gpt: TinyGPT, grid: RankGrid, *, sequence_parallel: bool = False):
+    def __init__(self, gpt: TinyGPT, grid: RankGrid, *, sequence_parallel: bool = False, recompute: str = "none"):
         super().__init__()
+        if recompute not in ("none", "selective", "full"):
+            raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+        if recompute == "full" and any(gpt.cfg.is_moe(i) for i in range(gpt.cfg.layers)):
+            raise NotImplementedError("full recomputation with MoE layers (the router's statistics would count twice)")
         cfg = self.cfg = gpt.cfg
         me = self.coords = grid.coords()
         self.grid = grid
@@ -342,6 +362,7 @@ class ParallelGPT(nn.Module):
         # cp: attention over my zigzag chunks becomes ring attention; the embedding adds their positions
         for block in self.blocks.values():
             block.attn = ContextParallelAttention(block.attn, self.groups["cp"])
+            block.recompute, block.attn.recompute = recompute, "selective" if recompute == "selective" else "none"
         if self.is_first:
             pos = positions(cfg.seq_len, me["cp"], grid.cp, "zigzag" if grid.cp > 1 else "contiguous")
             if sp:                                                # my rows of my cp rank's tokens

@@ -46,9 +46,11 @@ its input, all-gather (n−1)× the shard, reduce-scatter (n−1)/n of the input
                   3 all-reduces of one number per token (max, Σexp, target logit); R = rows the
                   local experts received (an expert's fc1/fc2 cost f + g on its rows).
                   sequence parallel: every all-reduce of T·d becomes a reduce-scatter + an all-gather
-                  of the same wire bytes, (tp−1)/tp · b · T·d · 2·(first + 4·L_s + last)  (MoE: not
-                  supported), + 2(tp−1)/tp · b · (3·T·last + P_sp)  [the loss, and Σ over tp of the
-                  P_sp replicated parameters that saw S/tp rows: 6d per block, pos_emb, ln_f]
+                  of the same wire bytes, and each column-parallel layer (qkv, fc1, head) all-gathers
+                  its input again in the backward (it saved only its T/tp rows: what="sp_regather"),
+                  (tp−1)/tp · b · T·d · (2·first + (8 + 2)·L_s + (2 + 1)·last)  (MoE: not supported),
+                  + 2(tp−1)/tp · b · (3·T·last + P_sp)  [the loss, and Σ over tp of the P_sp
+                  replicated parameters that saw S/tp rows: 6d per block, pos_emb, ln_f]
     cp  (n = cp)  6·(cp−1) · T·(d/tp)·b · L_s    per layer K,V forward (2 blocks × cp−1 hops),
                   K,V again and the dK,dV accumulators backward
     dp_cp         2(n−1)/n · b · P_dense         n = dp·cp, P_dense = dense parameters on this rank
@@ -263,7 +265,7 @@ def expected_bytes(cfg, grid, coords: dict, batch_size: int, *, sequence_paralle
     if tp > 1:
         if sequence_parallel:
             p_sp = 6 * d * L_s + cfg.seq_len * d * first + 2 * d * last
-            out["tp"] = steps * ((tp - 1) * T * d * b * (8 * L_s + 2 * first + 2 * last) // tp
+            out["tp"] = steps * ((tp - 1) * T * d * b * (10 * L_s + 2 * first + 3 * last) // tp
                                  + ar(tp, b * (3 * T * last + p_sp)))
         else:
             out["tp"] = steps * ar(tp, b * (T * d * (first + 4 * L_dense + 2 * L_moe + last) + 3 * T * last)) \

@@ -53,7 +53,10 @@ Communication per device per step (ring algorithms; what one device sends)
           k·cf·s·b rows at perfect balance), 1 for the vocabulary-parallel embedding (first
           stage), 1 for the head and 3 all-reduces of one number per token for the vocabulary-
           parallel cross-entropy (last stage, loss_bytes each); with SP, once per step, the
-          all-reduce of the replicated parameters' gradients (each tp rank saw s/t rows)
+          all-reduce of the replicated parameters' gradients (each tp rank saw s/t rows); with SP
+          and the s·b·h/t shard saved (not ``Model.sp_saves_gathered``), each column-parallel layer
+          (qkv, fc1 of a dense layer, the head) all-gathers its input again in the backward: half
+          an all-reduce each (hidden behind the dX GEMM in the time model, as Megatron-Core does)
     pp    one activation forward and one gradient back per micro-batch per stage boundary
     cp    ring attention: K and V blocks pass c−1 times forward, K,V and dK,dV c−1 times backward
     ep    4 all-to-alls per MoE layer per micro-batch (dispatch, combine, and their backward),

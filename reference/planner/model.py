@@ -47,7 +47,8 @@ class Model:
     stats_bytes: int = 0            # bytes of the small per-token statistics kept for the backward (norms,
     #                                 flash log-sum-exp, router probabilities); 0: not counted (Korthikanti)
     sp_saves_gathered: bool = False  # with SP, column-parallel layers (qkv, fc1, head) keep their all-gathered
-    #                                 input, s·b·h (Megatron keeps the s·b·h/t shard and gathers it again)
+    #                                 input, s·b·h; False (Megatron-Core, reference.tensor): they keep the
+    #                                 s·b·h/t shard and all-gather it again in the backward (more tp bytes)
     source: str = ""
     causal: bool = True             # causal attention: flash kernels skip the masked half of the scores
 
@@ -159,14 +160,15 @@ def tiny_gpt(cfg, *, batch_size: int, micro_batch: int | None = None, name: str 
     (16 bytes per parameter, no master copy), statistics counted at 8 bytes.  Its attention is
     ``reference.sequence.ring_attention``: flash-like (q, k, v, the output and the log-sum-exp are
     kept, no scores): plan it with ``Composition(flash=True)``.  With sequence parallelism its
-    column-parallel layers keep the all-gathered input (``sp_saves_gathered``).
+    column-parallel layers keep their S/t rows and gather them again in the backward, as Megatron's
+    (``sp_saves_gathered`` False: reference.tensor.LinearWithSequenceParallelGather).
     """
     return Model(name, layers=cfg.layers, hidden=cfg.d_model, heads=cfg.heads, kv_heads=cfg.heads, ffn=cfg.d_ff,
                  vocab=cfg.vocab, seq_len=cfg.seq_len, micro_batch=micro_batch or batch_size,
                  global_batch=batch_size, num_experts=cfg.num_experts if cfg.num_experts > 1 else 1,
                  top_k=cfg.top_k if cfg.num_experts > 1 else 1, moe_every=cfg.moe_every, capacity_factor=1.0,
                  dropout=False, param_bytes=8, grad_bytes=8, optimizer_bytes=16, act_bytes=8, biases=True,
-                 learned_positions=True, final_norm=True, loss_bytes=8, stats_bytes=8, sp_saves_gathered=True,
+                 learned_positions=True, final_norm=True, loss_bytes=8, stats_bytes=8, sp_saves_gathered=False,
                  source="reference/gpt.py (float64)")
 
 

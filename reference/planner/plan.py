@@ -141,7 +141,9 @@ def _stage_entries(model: Model, comp: Composition, m: int, n_layers: int, n_moe
         per_layer = (n_layers - n_moe) * fwd_dense * (2 + again) + n_moe * fwd_moe * (2 + again)
         act = allreduce_bytes(s / c * b * h * e_b, t)
         loss = 3 * allreduce_bytes(s / c * b * model.loss_bytes, t) if last else 0.0
-        comm["tp"] = m * (act * (per_layer + first + last) + loss) \
+        # SP saving the shard: qkv, fc1 (dense layers) and the head gather their input again, ½ all-reduce each
+        regather = 0.5 * (2 * (n_layers - n_moe) + n_moe + last) if sp and not model.sp_saves_gathered else 0.0
+        comm["tp"] = m * (act * (per_layer + first + last + regather) + loss) \
             + (allreduce_bytes(replicated * g_b, t) if sp else 0.0)
     if p > 1:
         boundary = s / c * b * h * e_b / (t if comp.sequence_parallel or comp.scatter_gather else 1)

@@ -89,7 +89,7 @@ def layer_time(model: Model, cluster: Cluster, comp: Composition, links: dict[st
     R = {"none": 0.0, "selective": 0.0 if comp.flash else a_f, "full": F}[comp.recompute]
     passes = 3 if comp.recompute == "full" else 2                       # forward, backward (+ recompute)
     out = dict(F=F, B=B, R=R, tp=0.0, cp=0.0, ep=0.0, zero3=0.0)
-    if t > 1 and not comp.tp_overlap:
+    if t > 1 and not comp.tp_overlap:       # (SP's backward re-gathers hide behind the dX GEMMs, as in Megatron-Core)
         per = (1 + model.top_k * model.capacity_factor) if moe else 2
         out["tp"] = passes * per * collective_time("all_reduce", tokens * model.hidden * e, t, cluster, links["tp"])
     if c > 1:

@@ -32,6 +32,21 @@ whole layer — each rank draws only its slice's mask, reproducible but not the 
 With sequence parallelism the LayerNorm weights and the row-parallel biases act on this rank's
 rows only, so each rank's gradient is a PARTIAL sum: :func:`sync_sequence_parallel_grads` sums
 them over the group (forget it and they are 1/W-ish wrong, silently).
+
+Activation recomputation (Korthikanti et al. §5), ``ParallelBlock(..., recompute=)``, with
+``torch.utils.checkpoint`` (non-reentrant; per rank, e bytes a value, t = W)::
+
+    "none"        keep everything                 sbh·(10 + 24/t + 5as/(ht)), or sbh·(34 + 5as/h)/t with SP
+    "selective"   keep q, k, v; recompute the     sbh·(10 + 24/t), or 34·sbh/t: the 5as²b/t scores term
+                  attention core in the backward  gone, for 4·b·s²·h/t FLOPs more (QKᵀ and ·V again)
+    "full"        keep the block's input only     e·sbh, or e·sbh/t with SP; the whole forward again in
+                                                  the backward: 24·s·b·h²/t + 4·b·s²·h/t FLOPs more
+
+As Megatron's ``CheckpointFunction`` does, the whole region runs again (``early_stop=False``: torch's
+default would stop at the last saved input, skipping the ·V matmul, or the last reduce of a block).
+So "full" reruns the block's forward collectives too: tensor parallelism's two forward all-reduces,
+or sequence parallelism's two all-gathers and two reduce-scatters, per block.  The attention core
+sends nothing: "selective" adds no message.
 """
 from __future__ import annotations
 
@@ -41,39 +56,48 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .. import comm, trace
 from .layers import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["MLP", "SelfAttention", "Block", "ParallelMLP", "ParallelSelfAttention", "ParallelBlock",
-           "sync_sequence_parallel_grads", "head_dropout_mask", "hidden_dropout"]
+           "sync_sequence_parallel_grads", "head_keep_mask", "head_dropout_mask", "hidden_dropout", "RECOMPUTE"]
+
+RECOMPUTE = ("none", "selective", "full")
 
 
 # ----------------------------------------------------------------------------------------------
 # Dropout with explicit streams
 
 
-def head_dropout_mask(batch: int, heads: int, S: int, p: float, seed: int, first_head: int = 0,
-                      dtype=torch.float64) -> torch.Tensor:
-    """(B, heads, S, S) keep-mask scaled by 1/(1-p) for heads ``first_head …``: head h from its own
-    generator seeded ``seed·1_000_003 + h`` — so different heads (and ranks) get different streams."""
+def head_keep_mask(batch: int, heads: int, S: int, p: float, seed: int, first_head: int = 0) -> torch.Tensor:
+    """(B, heads, S, S) boolean keep-mask for heads ``first_head …``: head h from its own generator
+    seeded ``seed·1_000_003 + h`` — so different heads (and ranks) get different streams."""
     masks = []
     for h in range(first_head, first_head + heads):
         g = torch.Generator().manual_seed((seed * 1_000_003 + h) % 2 ** 63)
-        masks.append((torch.rand(batch, S, S, generator=g, dtype=torch.float64) >= p).to(dtype) / (1 - p))
+        masks.append(torch.rand(batch, S, S, generator=g, dtype=torch.float64) >= p)
     return torch.stack(masks, dim=1)
+
+
+def head_dropout_mask(batch: int, heads: int, S: int, p: float, seed: int, first_head: int = 0,
+                      dtype=torch.float64) -> torch.Tensor:
+    """:func:`head_keep_mask` scaled by 1/(1-p), as numbers of ``dtype``."""
+    return head_keep_mask(batch, heads, S, p, seed, first_head).to(dtype) / (1 - p)
 
 
 def hidden_dropout(x: torch.Tensor, p: float, seed: int, full_shape=None, rows: slice | None = None) -> torch.Tensor:
     """Dropout in a replicated region: the mask of the whole activation ``full_shape`` (S, B, d)
-    from one generator seeded ``seed`` (the same on every rank); ``rows``: this rank's sequence rows."""
+    from one generator seeded ``seed`` (the same on every rank); ``rows``: this rank's sequence rows.
+    The backward keeps the boolean mask of x's rows: one byte per element, as Megatron's."""
     if p == 0.0:
         return x
     g = torch.Generator().manual_seed(seed)
-    mask = torch.rand(tuple(full_shape or x.shape), generator=g, dtype=torch.float64) >= p
+    keep = torch.rand(tuple(full_shape or x.shape), generator=g, dtype=torch.float64) >= p
     if rows is not None:
-        mask = mask[rows]
-    return x * mask.to(x.dtype) / (1 - p)
+        keep = keep[rows].clone()                  # its own storage: a view would keep the whole mask alive
+    return x * keep / (1 - p)
 
 
 def attend(q, k, v, heads: int, *, causal: bool = True, dropout_p: float = 0.0, seed: int = 0,
@@ -88,7 +112,7 @@ def attend(q, k, v, heads: int, *, causal: bool = True, dropout_p: float = 0.0, 
         s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
     prob = s.softmax(-1)
     if dropout_p > 0:
-        prob = prob * head_dropout_mask(B, heads, S, dropout_p, seed, first_head, dtype=prob.dtype)
+        prob = prob * head_keep_mask(B, heads, S, dropout_p, seed, first_head) / (1 - dropout_p)
     return (prob @ v).permute(2, 0, 1, 3).reshape(S, B, D)
 
 
@@ -170,6 +194,7 @@ class ParallelSelfAttention(nn.Module):
         self.qkv, self.proj, self.heads, self.local_heads = qkv, proj, heads, heads // W
         self.first_head = comm.rank(group) * self.local_heads
         self.causal, self.dropout_p, self.seed, self.name = causal, dropout_p, 0, name
+        self.recompute = "none"                  # "selective": the attention core again in the backward
 
     @classmethod
     def from_module(cls, attn: SelfAttention, group=None, *, sequence_parallel: bool = False, name: str = "attn"):
@@ -190,27 +215,35 @@ class ParallelSelfAttention(nn.Module):
 
     def forward(self, x):
         q, k, v = self.qkv(x).chunk(3, dim=-1)
+        kw = dict(causal=self.causal, dropout_p=self.dropout_p, seed=self.seed, first_head=self.first_head)
         with trace.span("compute", what="attention", layer=self.name, heads=self.local_heads):
-            o = attend(q, k, v, self.local_heads, causal=self.causal, dropout_p=self.dropout_p, seed=self.seed,
-                       first_head=self.first_head)
+            if self.recompute == "selective":           # keeps q, k, v (one qkv output), not the S×S scores
+                o = checkpoint(attend, q, k, v, self.local_heads, use_reentrant=False, early_stop=False, **kw)
+            else:
+                o = attend(q, k, v, self.local_heads, **kw)
         return self.proj(o)
 
 
 class ParallelBlock(nn.Module):
     """:class:`Block` over a tensor-parallel group.  Input/output (S, B, d) replicated, or
-    (S/W, B, d) this rank's sequence rows with ``sequence_parallel``."""
+    (S/W, B, d) this rank's sequence rows with ``sequence_parallel``.  ``recompute``: "none",
+    "selective" or "full" (module docstring)."""
 
-    def __init__(self, block: Block, group=None, *, sequence_parallel: bool = False):
+    def __init__(self, block: Block, group=None, *, sequence_parallel: bool = False, recompute: str = "none"):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+        self.group, self.sequence_parallel, self.recompute = group, sequence_parallel, recompute
         self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
         self.attn = ParallelSelfAttention.from_module(block.attn, group, sequence_parallel=sequence_parallel)
+        self.attn.recompute = "selective" if recompute == "selective" else "none"
         self.mlp = ParallelMLP.from_module(block.mlp, group, sequence_parallel=sequence_parallel)
         self.dropout_p, self.seed = block.dropout_p, 0
 
     @classmethod
-    def from_module(cls, block: Block, group=None, *, sequence_parallel: bool = False) -> ParallelBlock:
-        return cls(block, group, sequence_parallel=sequence_parallel)
+    def from_module(cls, block: Block, group=None, *, sequence_parallel: bool = False,
+                    recompute: str = "none") -> ParallelBlock:
+        return cls(block, group, sequence_parallel=sequence_parallel, recompute=recompute)
 
     def _drop(self, x, seed):
         if not self.sequence_parallel:
@@ -220,6 +253,11 @@ class ParallelBlock(nn.Module):
 
     def forward(self, x):
         self.attn.seed = self.seed
+        if self.recompute == "full":                 # keeps x; the whole forward again in the backward
+            return checkpoint(self._forward, x, use_reentrant=False, early_stop=False)
+        return self._forward(x)
+
+    def _forward(self, x):
         x = x + self._drop(self.attn(self.ln1(x)), 2 * self.seed + 1)
         return x + self._drop(self.mlp(self.ln2(x)), 2 * self.seed + 2)
 

@@ -19,7 +19,14 @@ one backward (f, before the column layer).
 
     column_parallel_linear, row_parallel_linear     the functional forms        (exercise 4.2)
     linear_shard                                    this rank's slice of an nn.Linear (exercise 4.2)
+    LinearWithSequenceParallelGather                the column-parallel linear under sequence
+                                                    parallelism that saves only x's S/W rows
     ColumnParallelLinear, RowParallelLinear         modules with ``from_linear``
+
+Under sequence parallelism ``column_parallel_linear`` (exercise 4.2) is the plain composition
+gather → ``F.linear``: autograd then saves the GATHERED input, S·B·in on every rank.  The modules
+do what Megatron-Core does (Korthikanti et al. §4.2.2): save the S/W rows, all-gather them again
+in the backward (:class:`LinearWithSequenceParallelGather`).
 
 Each module says how its parameters are cut (``CUTS``, as Megatron marks a parameter
 ``tensor_model_parallel``): "column" (rows of the weight and the bias), "row" (columns of the
@@ -32,11 +39,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
-from .regions import (copy_to_tensor_region, gather_from_sequence_region, gather_from_tensor_region,
-                      reduce_from_tensor_region, reduce_scatter_to_sequence_region, scatter_to_tensor_region)
+from .regions import (_gather_seq, _reduce_scatter_seq, copy_to_tensor_region, gather_from_sequence_region,
+                      gather_from_tensor_region, reduce_from_tensor_region, reduce_scatter_to_sequence_region,
+                      scatter_to_tensor_region)
 
-__all__ = ["linear_shard", "column_parallel_linear", "row_parallel_linear", "ColumnParallelLinear",
-           "RowParallelLinear"]
+__all__ = ["linear_shard", "column_parallel_linear", "row_parallel_linear", "LinearWithSequenceParallelGather",
+           "linear_with_sequence_parallel_gather", "ColumnParallelLinear", "RowParallelLinear"]
 
 
 def linear_shard(weight: torch.Tensor, bias: torch.Tensor | None, style: str, group=None):
@@ -82,6 +90,58 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         x = copy_to_tensor_region(x, group, **meta)
     y = F.linear(x, weight, bias)
     return gather_from_tensor_region(y, group, **meta) if gather_output else y
+
+
+class LinearWithSequenceParallelGather(torch.autograd.Function):
+    """``y = all-gather(x)·Wᵀ + b`` that keeps x's SHARD for the backward, not the gathered x.
+
+    x: (S/W, ..., in) this rank's sequence rows; weight: (out/W, in); bias: (out/W,) or None;
+    y: (S, ..., out/W).  Megatron-Core's ``LinearWithGradAccumulationAndAsyncCommunication`` with
+    ``sequence_parallel=True`` (Korthikanti et al., arXiv:2205.05198 §4.2.2)::
+
+        forward                               backward  (dy: (S, ..., out/W))
+        x_full = all-gather(x)       g-bar    x_full = all-gather(x), again      what="sp_regather"
+        y = x_full·Wᵀ + b                     dx = reduce-scatter(dy·W)          g-bar  (dy·W: (S, ..., in), partial)
+        saved: x (S/W rows) and W             dW = dyᵀ·x_full,  db = Σ dy
+
+    Memory: S/W·B·in values kept instead of S·B·in (qkv's and fc1's inputs are 4 of the paper's
+    34·sbh/t).  Bytes: one more all-gather of x per layer and backward, ``(W-1)/W · S·B·in`` per rank
+    (Megatron overlaps it with the dX matmul, and the reduce-scatter with the dW matmul; here they run
+    one after the other).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, meta):
+        ctx.group, ctx.meta, ctx.has_bias = group, meta, bias is not None
+        ctx.save_for_backward(x, weight)                    # the shard: what autograd keeps
+        x_full = _gather_seq(x, group, operator="g-bar", direction="forward", **meta)
+        return F.linear(x_full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx = dw = db = None
+        dy2 = dy.reshape(-1, dy.shape[-1])                  # (S·B, out/W)
+        if need_w:                                          # (Megatron posts it first, overlapped with dX)
+            x_full = _gather_seq(x, ctx.group, **{**ctx.meta, "operator": "g-bar", "direction": "backward",
+                                                  "what": "sp_regather"})
+        if need_x:
+            dx = _reduce_scatter_seq(dy.matmul(weight), ctx.group, operator="g-bar", direction="backward",
+                                     **ctx.meta)
+        if need_w:
+            dw = dy2.t().matmul(x_full.reshape(-1, x_full.shape[-1]))
+        if need_b and ctx.has_bias:
+            db = dy2.sum(0)
+        return dx, dw, db, None, None
+
+
+def linear_with_sequence_parallel_gather(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                                         group=None, **meta) -> torch.Tensor:
+    """:class:`LinearWithSequenceParallelGather`: x (S/W, ..., in) → (S, ..., out/W), saving x's S/W rows."""
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"column-parallel linear: input has {x.shape[-1]} features, weight expects {weight.shape[-1]}")
+    return LinearWithSequenceParallelGather.apply(x, weight, bias, group, meta)
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None, *,
@@ -138,19 +198,25 @@ class _ParallelLinear(nn.Module):
 class ColumnParallelLinear(_ParallelLinear):
     """``nn.Linear`` with its output features split over ``group``: ``.weight`` (out/W, in) holds
     rows ``r·out/W … (r+1)·out/W``, ``.bias`` the same slice.  Input replicated (or sequence-sharded
-    with ``sequence_parallel``); output (..., out/W), or replicated with ``gather_output``."""
+    with ``sequence_parallel``); output (..., out/W), or replicated with ``gather_output``.
+
+    ``save_shard`` (sequence parallelism only, default True): keep x's S/W rows for the backward and
+    gather them again there (:class:`LinearWithSequenceParallelGather`, as Megatron-Core does);
+    False: :func:`column_parallel_linear`, which keeps the gathered S rows."""
 
     STYLE = "column"
     CUTS = {"weight": "column", "bias": "column"}    # how each parameter is cut; an instance may override it
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, gather_output: bool = False,
                  group=None, sequence_parallel: bool = False, dtype: torch.dtype | None = None, name: str = "",
-                 linear: nn.Linear | None = None):
+                 linear: nn.Linear | None = None, save_shard: bool = True):
         super().__init__(in_features, out_features, bias=bias, group=group, sequence_parallel=sequence_parallel,
                          dtype=dtype, name=name, linear=linear)
-        self.gather_output = gather_output
+        self.gather_output, self.save_shard = gather_output, save_shard
 
     def forward(self, x):
+        if self.sequence_parallel and self.save_shard and not self.gather_output:
+            return linear_with_sequence_parallel_gather(x, self.weight, self.bias, self.group, **self._meta())
         return column_parallel_linear(x, self.weight, self.bias, self.group, gather_output=self.gather_output,
                                       sequence_parallel=self.sequence_parallel, **self._meta())
 

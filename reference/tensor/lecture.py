@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+import torch
+
 from ..notebook.recorded import live_world, recordable
 from .costs import collectives
 from .workers import block_worker, mlp_worker, vocab_worker
@@ -44,6 +46,27 @@ def block_costs(S: int = 16, B: int = 2, d_model: int = 32, heads: int = 4, worl
                 out["runs"][(tp, sp)] = {"collectives": [c for c in collectives(res.trace, rank=0, W=tp)
                                                          if c["operator"] != "sp-grad-sync"],
                                          **res.values[0]}
+    return out
+
+
+@recordable("04a.saved_activations", needs=("4.1", "4.2"))
+def saved_activations(S: int = 16, B: int = 2, d_model: int = 32, heads: int = 4, dropout_p: float = 0.1,
+                      world=None) -> dict:
+    """One block in bfloat16 with dropout — Korthikanti et al.'s setting: 2-byte activations, 1-byte
+    masks — forward + backward on tp = 1, 2, 4: the bytes autograd saved on rank 0 and the matmul
+    FLOPs it ran, with tensor parallelism ("tp"), with sequence parallelism ("tp+sp"), with sequence
+    parallelism through ``column_parallel_linear``, which keeps the gathered input ("tp+sp, gathered"),
+    and with sequence parallelism and selective or full recomputation ("tp+sp, selective", "tp+sp, full")."""
+    modes = {"tp": (False, True, "none"), "tp+sp": (True, True, "none"), "tp+sp, gathered": (True, False, "none"),
+             "tp+sp, selective": (True, True, "selective"), "tp+sp, full": (True, True, "full")}
+    out = {"S": S, "B": B, "d_model": d_model, "heads": heads, "dropout_p": dropout_p, "bytes": {}, "flops": {}}
+    with _world(world) as w:
+        for tp in (1, 2, 4):
+            for mode, (sp, save_shard, recompute) in modes.items():
+                res = w.run(block_worker, tp, sp, S, B, d_model, heads, dropout_p=dropout_p, dtype=torch.bfloat16,
+                            save_shard=save_shard, recompute=recompute)
+                out["bytes"][(tp, mode)] = res.values[0]["activation_bytes"]
+                out["flops"][(tp, mode)] = res.values[0]["flops"]
     return out
 
 

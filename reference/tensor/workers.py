@@ -16,6 +16,7 @@ from .. import comm
 from ..saved import saved_bytes
 from .blocks import (MLP, Block, ParallelBlock, ParallelMLP, ParallelSelfAttention, SelfAttention,
                      sync_sequence_parallel_grads)
+from .layers import ColumnParallelLinear
 from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
@@ -50,8 +51,11 @@ def single(kind: str, **cfg) -> dict:
     return {"out": y.detach(), "dx": x.grad, "grads": {n: p.grad for n, p in m.named_parameters()}}
 
 
-def parallel(kind: str, sequence_parallel: bool = False, sync: bool = True, **cfg) -> dict:
-    """This rank's shard of ``kind``: output, input gradient, local parameter gradients (by name)."""
+def parallel(kind: str, sequence_parallel: bool = False, sync: bool = True, save_shard: bool = True,
+             recompute: str = "none", **cfg) -> dict:
+    """This rank's shard of ``kind``: output, input gradient, local parameter gradients (by name).
+    ``save_shard`` False: column-parallel layers keep their gathered input under sequence parallelism;
+    ``recompute``: the block's activation recomputation ("none", "selective", "full")."""
     m, x, dout = build(kind, **cfg)
     W, r = comm.world_size(), comm.rank()
     if kind == "mlp":
@@ -59,7 +63,10 @@ def parallel(kind: str, sequence_parallel: bool = False, sync: bool = True, **cf
     elif kind == "attn":
         pm = ParallelSelfAttention.from_module(m, sequence_parallel=sequence_parallel)
     else:
-        pm = ParallelBlock(m, sequence_parallel=sequence_parallel)
+        pm = ParallelBlock(m, sequence_parallel=sequence_parallel, recompute=recompute)
+    for layer in pm.modules():
+        if isinstance(layer, ColumnParallelLinear):
+            layer.save_shard = save_shard
     if sequence_parallel:
         n = x.shape[0] // W
         x, dout = x[r * n:(r + 1) * n], dout[r * n:(r + 1) * n]
@@ -223,18 +230,29 @@ def mlp_worker(tp: int, sequence_parallel: bool, S: int, d_model: int, d_ff: int
     return {"max_error": float((xin.grad - want_dx).abs().max())}
 
 
-def block_worker(tp: int, sequence_parallel: bool, S: int, B: int, d_model: int, heads: int) -> dict:
+def block_worker(tp: int, sequence_parallel: bool, S: int, B: int, d_model: int, heads: int, *,
+                 dropout_p: float = 0.0, dtype=torch.float64, save_shard: bool = True, recompute: str = "none") -> dict:
+    """One block's forward + backward on a group of tp ranks: parameter bytes, the bytes autograd saved
+    (parameters excluded; floating-point and boolean) and the matmul FLOPs of forward + backward
+    (``torch.utils.flop_counter``; recomputation included).  ``save_shard`` False: the column-parallel
+    layers keep their gathered input (:func:`.layers.column_parallel_linear`) under sequence parallelism."""
+    from torch.utils.flop_counter import FlopCounterMode
     group = tp_group(tp)
     torch.manual_seed(0)
-    block = Block(d_model, heads, dtype=torch.float64)
-    x = torch.randn(S, B, d_model, dtype=torch.float64)
-    pb = ParallelBlock(block, group, sequence_parallel=sequence_parallel)
+    block = Block(d_model, heads, dropout_p=dropout_p, dtype=dtype)
+    x = torch.randn(S, B, d_model, dtype=torch.float64).to(dtype)
+    pb = ParallelBlock(block, group, sequence_parallel=sequence_parallel, recompute=recompute)
+    for m in pb.modules():
+        if isinstance(m, ColumnParallelLinear):
+            m.save_shard = save_shard
     xin = (_rows(x, tp, group) if sequence_parallel else x).clone().requires_grad_()
     params = list(pb.parameters())
     out = {}
-    act = saved_bytes(lambda: out.setdefault("y", pb(xin)), params)
-    out["y"].backward(torch.ones_like(out["y"]))
-    return {"param_bytes": sum(p.numel() * p.element_size() for p in params), "activation_bytes": act}
+    with FlopCounterMode(display=False) as flops:
+        act = saved_bytes(lambda: out.setdefault("y", pb(xin)), params)
+        out["y"].backward(torch.ones_like(out["y"]))
+    return {"param_bytes": sum(p.numel() * p.element_size() for p in params), "activation_bytes": act,
+            "flops": flops.get_total_flops()}
 
 
 def vocab_worker(tp: int, tokens: int, V: int, scale: float) -> dict:

@@ -11,8 +11,9 @@ The run (``reference.tensor.lecture.mlp_run``) gives the shapes and rank 0's col
                fc2: Z_r = GELU(Y_r)·B_rᵀ (row-parallel: a PARTIAL sum of Z)
                all-reduce Z (g)  — or reduce-scatter under sequence parallelism
                + b once → output
-    backward   ∂Z in  [all-gather ∂Z]  fc2ᵀ  fc1ᵀ → a PARTIAL ∂X on each rank
+    backward   ∂Z in  [all-gather ∂Z]  fc2ᵀ  [all-gather X again]  fc1ᵀ → a PARTIAL ∂X on each rank
                all-reduce ∂X (f) — or reduce-scatter under sequence parallelism
+               (fc1 kept only its S/W rows of X under sequence parallelism: ``what="sp_regather"``)
 
 Which position a collective takes comes from its trace meta (``direction``, ``layer``) and, when a
 run lacks it, from its order.  The state is a plain dict (tested in tests/widgets/test_matrix_split.py).
@@ -58,10 +59,16 @@ def phases(run: dict) -> list[dict]:
                  direction="forward") for c in fwd[-1:]]
     out += [{"kind": "compute", "direction": "forward", "block": "out", "label": "+ bias b, once: the output"},
             {"kind": "compute", "direction": "backward", "block": "out", "label": "backward: ∂out arrives"}]
+    regather = [c for c in bwd if c.get("what") == "sp_regather"]
+    if not regather and not all(c.get("direction") for c in bwd):    # no meta: a second all-gather is fc1's
+        regather = [c for c in bwd if c["op"] == "all_gather"][1:]
+    bwd = [c for c in bwd if all(c is not g for g in regather)]
     out += [dict(comm(c, "out", "all-gather ∂out along the sequence"), direction="backward")
             for c in (bwd[:-1] if len(bwd) > 1 else [])]
-    out += [{"kind": "compute", "direction": "backward", "block": "B", "label": "fc2ᵀ: ∂B_r and ∂GELU(Y_r), local"},
-            {"kind": "compute", "direction": "backward", "block": "A", "label": "fc1ᵀ: ∂A_r and a PARTIAL ∂X_r"}]
+    out += [{"kind": "compute", "direction": "backward", "block": "B", "label": "fc2ᵀ: ∂B_r and ∂GELU(Y_r), local"}]
+    out += [dict(comm(c, "X", "all-gather X again: fc1 kept only its S/W rows"), direction="backward")
+            for c in regather]
+    out += [{"kind": "compute", "direction": "backward", "block": "A", "label": "fc1ᵀ: ∂A_r and a PARTIAL ∂X_r"}]
     out += [dict(comm(c, "X", ("reduce-scatter" if c["op"] == "reduce_scatter" else "all-reduce")
                       + " of the partial ∂X (f)"),
                  direction="backward") for c in bwd[-1:]]

@@ -4,6 +4,7 @@ Pure arithmetic: the whole file runs in a few seconds."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -92,10 +93,13 @@ def test_bytes_per_axis_by_hand():
     # tp: 4 all-reduces × 2 layers × 1 micro-batch of s·b·h = 32 elements: 4·2·(2·1/2·64) = 512 bytes,
     # + the vocabulary-parallel embedding's and the head's (64 each), + the cross-entropy's 3 all-reduces
     # of one fp32 number per token (3·32), + with SP the replicated parameters' gradients: 2·2 norms
-    # + the final norm, 20 numbers (40 bytes)
+    # + the final norm, 20 numbers (40 bytes), and the backward's re-gathers of the saved s/t rows by qkv
+    # and fc1 of each layer and the head: 5 all-gathers of (t−1)·(s/t)·b·h·2 = 32 bytes
     tiny1 = P.Model("tiny", layers=2, hidden=4, heads=2, kv_heads=2, ffn=16, vocab=10, seq_len=8, global_batch=4)
     pl = P.plan(tiny1, TWO_NODES, P.Composition(dp=4, tp=2))
-    assert pl.comm_bytes["tp"] == 512 + 2 * 64 + 3 * 32 + 40 and pl.link["tp"] == "intra"
+    assert pl.comm_bytes["tp"] == 512 + 2 * 64 + 3 * 32 + 40 + 5 * 32 and pl.link["tp"] == "intra"
+    gathered = P.plan(replace(tiny1, sp_saves_gathered=True), TWO_NODES, P.Composition(dp=4, tp=2))
+    assert gathered.comm_bytes["tp"] == 512 + 2 * 64 + 3 * 32 + 40
     assert P.plan(tiny1, TWO_NODES, P.Composition(dp=4, tp=2, sequence_parallel=False)).comm_bytes["tp"] == 736
     # pp: p=4, m=8 micro-batches, boundary s·b·h·2 = 64 bytes, a middle stage sends 8 forward + 8 backward
     tiny8 = P.Model("tiny", layers=4, hidden=4, heads=2, kv_heads=2, ffn=16, vocab=10, seq_len=8, global_batch=16)

@@ -114,17 +114,27 @@ def test_two_all_reduces_forward_two_backward_per_block_with_exact_bytes(world, 
 
 
 @pytest.mark.parametrize("W", [2, 4])
-def test_sequence_parallelism_moves_the_same_bytes(world, W):
+def test_sequence_parallelism_moves_the_same_bytes_plus_one_regather_per_column_layer(world, W):
+    """All-gather + reduce-scatter for each all-reduce: the same bytes.  Saving only x's S/W rows
+    costs qkv and fc1 an all-gather of their input again in the backward (what="sp_regather"):
+    10·(W-1)/W·A per block instead of 8; column_parallel_linear (the gathered input saved) moves 8."""
     cfg = cfg_for(W)
     tp = world(W).run(workers.parallel, "block", False, **cfg).trace
     sp = world(W).run(workers.parallel, "block", True, sync=False, **cfg).trace
+    gathered = world(W).run(workers.parallel, "block", True, sync=False, save_shard=False, **cfg).trace
     act = cfg["S"] * 2 * cfg["d_model"] * 8
     ops = sp.filter(rank=1, op=("all_reduce", "all_gather", "reduce_scatter"))
-    assert [e.op for e in ops] == ["all_gather", "reduce_scatter"] * 2 + ["all_gather", "reduce_scatter"] * 2
+    assert [(e.op, e.meta["layer"], e.meta.get("what", "")) for e in ops] == [
+        ("all_gather", "attn.qkv", ""), ("reduce_scatter", "attn.proj", ""),
+        ("all_gather", "mlp.fc1", ""), ("reduce_scatter", "mlp.fc2", ""),                   # forward
+        ("all_gather", "mlp.fc2", ""), ("all_gather", "mlp.fc1", "sp_regather"), ("reduce_scatter", "mlp.fc1", ""),
+        ("all_gather", "attn.proj", ""), ("all_gather", "attn.qkv", "sp_regather"), ("reduce_scatter", "attn.qkv", "")]
     assert all(e.nbytes == (act // W if e.op == "all_gather" else act) for e in ops)
     wire = lambda t: sum(wire_bytes(e.op, e.nbytes, W)  # noqa: E731
                          for e in t.filter(rank=1, op=("all_reduce", "all_gather", "reduce_scatter")))
-    assert wire(sp) == pytest.approx(wire(tp)) and wire(tp) == 4 * 2 * (W - 1) / W * act
+    assert wire(tp) == 8 * (W - 1) / W * act
+    assert wire(gathered) == pytest.approx(wire(tp))
+    assert wire(sp) == pytest.approx(10 * (W - 1) / W * act)
 
 
 def test_one_rank_sends_nothing(world):
