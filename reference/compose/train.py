@@ -77,6 +77,7 @@ from ..tensor import sync_sequence_parallel_grads
 from ..trace import COMM_OPS
 from .clip import clip_grad_norm_
 from .estimate import step_bytes
+from .overlap import overlapped_sync, sync_the_rest
 from .parallel_gpt import ParallelGPT, padded_vocab
 from .zero import zero_bytes
 
@@ -138,17 +139,25 @@ def global_loss(model: ParallelGPT, loss: torch.Tensor | None) -> float:
 
 
 def train_step(model: ParallelGPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
-               schedule: str = "1f1b", num_microbatches: int = 1, clip_grad_norm: float | None = None) -> float:
+               schedule: str = "1f1b", num_microbatches: int = 1, clip_grad_norm: float | None = None,
+               overlap: bool = True, bucket_cap_mb: float = 1.0) -> float:
     """One step on the global batch (x, y) (B, S), the same on every rank.  Returns its loss.
 
     pp > 1: ``schedule`` is one of reference.pipeline's with one chunk per rank ("gpipe", "1f1b",
     "zb_h1"), over ``num_microbatches`` equal micro-batches of this rank's rows.  ``clip_grad_norm``
     c: the synchronised gradients are clipped to global norm c before the step (.clip); the norm
     before clipping is left in ``model.grad_norm`` (None without clipping: no extra message).
+    ``overlap``: the dense gradients' mean over dp_cp travels in lecture 3's buckets of ``bucket_cap_mb``
+    MiB, each posted from a gradient hook as soon as it is full, during backward (.overlap); False:
+    :func:`sync_gradients` after backward, one all-reduce.  ZeRO reduces in its own step (no overlap).
     """
     x, y = local_batch(x, y, model)
     optimizer.zero_grad(set_to_none=True)
     model.scale_aux_losses(num_microbatches)
+    zero = getattr(optimizer, "syncs_gradients", False)
+    buckets = overlapped_sync(model, bucket_cap_mb=bucket_cap_mb) if overlap and not zero else None
+    if buckets is not None:
+        buckets.arm(num_microbatches if model.grid.pp > 1 else 1)
     if model.grid.pp == 1:
         loss = model.loss(x, y)
         loss.backward()
@@ -156,10 +165,14 @@ def train_step(model: ParallelGPT, optimizer: torch.optim.Optimizer, x: torch.Te
         loss = run_pipeline(model, schedule, x, y, model.loss_fn, num_microbatches=num_microbatches,
                             group=model.groups["pp"], shapes=model.stage_shapes(x.shape[0] // num_microbatches))
     norm = None
-    if getattr(optimizer, "syncs_gradients", False):         # ZeRO (compose.zero) reduces (and clips) in its step
+    if zero:                                                 # ZeRO (compose.zero) reduces (and clips) in its step
         norm = optimizer.step() if clip_grad_norm is None else optimizer.step(clip_grad_norm)
     else:
-        sync_gradients(model)
+        if buckets is not None:
+            buckets.finish()                                 # wait for the buckets in flight, ÷ dp·cp
+            sync_the_rest(model)                             # sequence-parallel copies, experts
+        else:
+            sync_gradients(model)
         if clip_grad_norm is not None:
             norm = clip_grad_norm_(model, clip_grad_norm)
         optimizer.step()
