@@ -203,7 +203,8 @@ class TinyGPT(nn.Module):
 
 def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int = 0, dtype=torch.float64,
                  model: TinyGPT | None = None, text: str | None = None, num_microbatches: int = 1, dp: int = 1,
-                 clip_grad_norm: float | None = None, grad_norms: list | None = None, **config) -> list[float]:
+                 clip_grad_norm: float | None = None, grad_norms: list | None = None, optimizer=None,
+                 start_step: int = 0, on_step=None, **config) -> list[float]:
     """Train the tiny GPT on one process with Adam; return the loss of every step.
 
     ``config`` overrides :class:`GPTConfig` fields (e.g. ``layers=2, num_experts=4``).  Parameters
@@ -219,6 +220,11 @@ def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int
     ``clip_grad_norm`` c: ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` once per step,
     after the whole step's gradient (all its micro-batches) and before Adam; each step's norm before
     clipping is appended to ``grad_norms`` if a list is given (reference.compose.clip does the same on a grid).
+
+    To continue a run (reference.compose.checkpoint): ``optimizer``, the ``torch.optim`` optimizer of
+    ``model`` to keep using (default: a fresh ``torch.optim.Adam(lr)``), and ``start_step``: only steps
+    ``start_step`` … ``steps`` − 1 run (their losses are returned).  ``on_step(step, loss)`` is called
+    after each step.
     """
     data, alphabet = encode(text if text is not None else corpus())
     if model is None:
@@ -232,7 +238,7 @@ def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int
         b, n = batch_size // dp, batch_size // dp // num_microbatches
         groups = [torch.cat([torch.arange(r * b + i * n, r * b + (i + 1) * n) for r in range(dp)])
                   for i in range(num_microbatches)]
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = optimizer if optimizer is not None else torch.optim.Adam(model.parameters(), lr=lr)
 
     def step_opt():
         if clip_grad_norm is not None:
@@ -242,7 +248,7 @@ def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int
         opt.step()
 
     losses = []
-    for step in range(steps):
+    for step in range(start_step, steps):
         x, y = get_batch(data, step, batch_size, model.cfg.seq_len, seed)
         if groups is not None:
             opt.zero_grad(set_to_none=True)
@@ -253,12 +259,14 @@ def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int
                 total += loss.item()
             step_opt()
             losses.append(total)
-            continue
-        loss = model.loss(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        step_opt()
-        losses.append(loss.item())
+        else:
+            loss = model.loss(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            step_opt()
+            losses.append(loss.item())
+        if on_step is not None:
+            on_step(step, losses[-1])
     return losses
 
 

@@ -24,7 +24,7 @@ from .parallel_gpt import ParallelGPT, check_sizes, full_state_dict
 from .train import train_step
 from .zero import ComposedZero
 
-__all__ = ["Adam", "build", "fit", "train_worker", "size_errors"]
+__all__ = ["Adam", "build", "make_optimizer", "fit", "train_worker", "size_errors"]
 
 
 class Adam:
@@ -62,34 +62,42 @@ class Adam:
 
 def build(sizes: dict, *, batch_size: int = 4, seed: int = 0, sequence_parallel: bool = False,
           num_microbatches: int = 1, zero: int = 0, dtype=torch.float64, device=None, text: str | None = None,
-          **config):
+          recompute: str = "none", **config):
     """(model, data) on this rank: sizes (and the ZeRO stage ``fit`` will use) checked first (ValueError
     on every rank, before any message), then the single-process model from ``seed``, then this
-    rank's piece of it (on ``device``)."""
+    rank's piece of it (on ``device``; ``recompute``: "none", "selective" or "full", .parallel_gpt)."""
     data, alphabet = encode(text if text is not None else corpus())
     cfg = GPTConfig(vocab=len(alphabet), **config)
     grid = check_sizes(cfg, sizes, comm.world_size(), batch_size, sequence_parallel=sequence_parallel,
                        num_microbatches=num_microbatches, zero=zero)
     torch.manual_seed(seed)
     gpt = TinyGPT(cfg).to(dtype)
-    return ParallelGPT(gpt, grid, sequence_parallel=sequence_parallel).to(device), data
+    return ParallelGPT(gpt, grid, sequence_parallel=sequence_parallel, recompute=recompute).to(device), data
+
+
+def make_optimizer(model: ParallelGPT, zero: int = 0, lr: float = 3e-3):
+    """:class:`Adam` on this rank's shards, or with ``zero`` 1 or 2 a :class:`.zero.ComposedZero` (collective)."""
+    return ComposedZero(model, zero, Adam, lr=lr) if zero else Adam(model.parameters(), lr=lr)
 
 
 def fit(model: ParallelGPT, data: torch.Tensor, steps: int, *, batch_size: int = 4, lr: float = 3e-3,
         seed: int = 0, schedule: str = "1f1b", num_microbatches: int = 1, zero: int = 0,
-        clip_grad_norm: float | None = None, on_step=None) -> list[float]:
-    """``steps`` steps of :class:`Adam` (lr) on the batches :func:`reference.gpt.train_single` uses; the loss
-    of each (the same on every rank).  ``zero`` 1 or 2: Adam's state sharded over dp_cp
+        clip_grad_norm: float | None = None, on_step=None, optimizer=None, start: int = 0,
+        bucket_cap_mb: float = 1.0) -> list[float]:
+    """Steps ``start`` … ``steps`` − 1 of :class:`Adam` (lr) on the batches :func:`reference.gpt.train_single`
+    uses; the loss of each (the same on every rank).  ``zero`` 1 or 2: Adam's state sharded over dp_cp
     (:class:`.zero.ComposedZero`).  ``clip_grad_norm`` c: gradients clipped to global norm c before
     each step (.clip; the norm before clipping in ``model.grad_norm``).  ``on_step(step, loss)`` is
-    called after each step."""
-    opt = ComposedZero(model, zero, Adam, lr=lr) if zero else Adam(model.parameters(), lr=lr)
+    called after each step.  ``optimizer``: one to keep using (e.g. restored from a checkpoint,
+    .checkpoint, with ``start`` its step), else :func:`make_optimizer`'s.  The dp_cp gradient mean
+    travels in buckets of ``bucket_cap_mb`` MiB during backward (.overlap)."""
+    opt = optimizer if optimizer is not None else make_optimizer(model, zero, lr)
     device = next(model.parameters()).device
     losses = []
-    for step in range(steps):
+    for step in range(start, steps):
         x, y = (t.to(device) for t in get_batch(data, step, batch_size, model.cfg.seq_len, seed))
         losses.append(train_step(model, opt, x, y, schedule=schedule, num_microbatches=num_microbatches,
-                                 clip_grad_norm=clip_grad_norm))
+                                 clip_grad_norm=clip_grad_norm, bucket_cap_mb=bucket_cap_mb))
         if on_step is not None:
             on_step(step, losses[-1])
     return losses
@@ -97,7 +105,9 @@ def fit(model: ParallelGPT, data: torch.Tensor, steps: int, *, batch_size: int =
 
 def train_worker(sizes: dict, steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int = 0,
                  sequence_parallel: bool = False, schedule: str = "1f1b", num_microbatches: int = 1,
-                 zero: int = 0, params: str = "rank0", clip_grad_norm: float | None = None, **config) -> dict:
+                 zero: int = 0, params: str = "rank0", clip_grad_norm: float | None = None,
+                 checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: bool = False,
+                 recompute: str = "none", bucket_cap_mb: float = 1.0, **config) -> dict:
     """Train on the grid ``sizes`` (e.g. ``{"dp": 2, "tp": 2}``) for ``steps`` steps; every rank runs it.
 
     ``config``: GPTConfig fields, as for ``train_single``.  Returns {"losses": per step (equal on
@@ -106,14 +116,33 @@ def train_worker(sizes: dict, steps: int, *, batch_size: int = 4, lr: float = 3e
     ``clip_grad_norm`` c: global-norm clipping (.clip), and "grad_norms": ‖g‖ of each step before it.
     The parameters are gathered after training (traced ``what="unshard"`` and raw events), outside
     every axis's step bytes.
+
+    ``checkpoint_dir``: save there (.checkpoint) every ``checkpoint_every`` steps and after the last;
+    ``resume``: first continue from its newest complete checkpoint.  Then also "start" (the first
+    step run: "losses" are those of steps start … steps − 1), "resumed" (the path or None) and
+    "saved" (one :class:`.checkpoint.Saved` per save).  ``recompute`` (.parallel_gpt) and
+    ``bucket_cap_mb`` (.overlap) as for :func:`build` and :func:`fit`.
     """
     model, data = build(sizes, batch_size=batch_size, seed=seed, sequence_parallel=sequence_parallel,
-                        num_microbatches=num_microbatches, zero=zero, **config)
-    norms = []
+                        num_microbatches=num_microbatches, zero=zero, recompute=recompute, **config)
+    opt, start, norms, saved, ckpt = make_optimizer(model, zero, lr), 0, [], [], None
+    if checkpoint_dir is not None:
+        from . import checkpoint                      # (imports torch.distributed.checkpoint: ~0.5 s, only when used)
+        meta = checkpoint.run_meta(model.cfg, seed=seed, batch_size=batch_size, lr=lr, grid=sizes, zero=zero)
+        ckpt = checkpoint.Checkpoints(checkpoint_dir, checkpoint.grid_state(model, opt), meta, every=checkpoint_every)
+        start = ckpt.resume() if resume else 0
+
+    def after(step: int, loss: float) -> None:
+        norms.append(model.grad_norm)
+        if ckpt is not None and (s := ckpt.after_step(step + 1, steps)) is not None:
+            saved.append(s)
+
     losses = fit(model, data, steps, batch_size=batch_size, lr=lr, seed=seed, schedule=schedule,
-                 num_microbatches=num_microbatches, zero=zero, clip_grad_norm=clip_grad_norm,
-                 on_step=lambda step, loss: norms.append(model.grad_norm))
+                 num_microbatches=num_microbatches, zero=zero, clip_grad_norm=clip_grad_norm, on_step=after,
+                 optimizer=opt, start=start, bucket_cap_mb=bucket_cap_mb)
     out = {"losses": losses, "coords": model.coords}
+    if ckpt is not None:
+        out |= {"start": start, "resumed": ckpt.resumed and str(ckpt.resumed), "saved": saved}
     if clip_grad_norm is not None:
         out["grad_norms"] = norms
     if params != "none":
