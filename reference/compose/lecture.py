@@ -9,7 +9,7 @@ import torch
 from ..mesh import RankGrid
 from ..notebook.recorded import recordable
 
-__all__ = ["tiny_gpt_curves", "composed_runs", "planner_vs_run", "COMPOSED_NEEDS"]
+__all__ = ["tiny_gpt_curves", "composed_runs", "overlap_timeline", "planner_vs_run", "COMPOSED_NEEDS"]
 
 
 @recordable("05c.tiny_gpt_curves", needs=("5b.1", "5b.2"))
@@ -42,20 +42,23 @@ COMPOSED_NEEDS = ("4.1", "4.2", "4.3", "4.4", "4.5", "5a.1", "5a.2", "5a.3", "5b
 RUNS = {
     "3D": dict(sizes={"dp": 2, "tp": 2, "pp": 2}, moe=False),
     "4D": dict(sizes={"dp": 2, "tp": 2, "pp": 2, "ep": 2}, moe=True),
+    "3D, cp": dict(sizes={"dp": 2, "tp": 2, "cp": 2}, moe=False),
+    "4D, cp": dict(sizes={"dp": 2, "tp": 2, "cp": 2, "ep": 2}, moe=True),
 }
-
-
 @recordable("05c.composed_runs", needs=COMPOSED_NEEDS)
-def composed_runs(steps: int = 12, num_microbatches: int = 2, batch_size: int = 4, lr: float = 1e-2, layers: int = 4,
+def composed_runs(steps: int = 8, num_microbatches: int = 2, batch_size: int = 4, lr: float = 1e-2, layers: int = 4,
                   d_model: int = 32, heads: int = 4, d_ff: int = 64, seq_len: int = 16, num_experts: int = 4,
-                  world=None) -> dict:
-    """Train the tiny GPT (float64) for ``steps`` steps on 8 ranks twice — 3D dp×tp×pp = 2×2×2 (dense)
-    and 4D dp×tp×pp×ep = 2×2×2×2 (MoE blocks) — with 1F1B over ``num_microbatches``, and on one process.
+                  bucket_cap_mb: float = 0.02, world=None) -> dict:
+    """Train the tiny GPT (float64) for ``steps`` steps on 8 ranks four times — with pipelines, 3D
+    dp×tp×pp = 2×2×2 (dense) and 4D dp×tp×pp×ep = 2×2×2×2 (MoE blocks), 1F1B over ``num_microbatches``;
+    with context parallelism, dp×tp×cp = 2×2×2 and dp×tp×cp×ep = 2×2×2×2 — and each on one process.
 
     Returns per run: "losses" (the grid's, equal on every rank), "single" (train_single's with the
-    same micro-batching), "max_diff", "seconds", "sizes", and per rank "measured" (wire bytes per
-    axis from the trace) and "formula" (reference.compose.train.expected_bytes: its dp_cp, cp and pp
-    entries are :func:`reference.compose.step_bytes`, exercise 5c.3).
+    same micro-batching), "max_diff", "seconds", "sizes", per rank "measured" (wire bytes per axis
+    from the trace) and "formula" (reference.compose.train.expected_bytes: its dp_cp, cp and pp
+    entries are :func:`reference.compose.step_bytes`, exercise 5c.3), and "timeline": rank 0's last
+    step as :func:`overlap_timeline` reads it (the dp_cp buckets: ``bucket_cap_mb``, 20 KiB by default,
+    several per stage even for this tiny model).
     """
     import time
 
@@ -70,13 +73,14 @@ def composed_runs(steps: int = 12, num_microbatches: int = 2, batch_size: int = 
         for name, run in RUNS.items():
             config = dict(base, num_experts=num_experts) if run["moe"] else base
             sizes = run["sizes"]
+            m = num_microbatches if sizes.get("pp", 1) > 1 else 1
             t0 = time.perf_counter()
             res = w.run(workers.train_worker, sizes, steps, batch_size=batch_size, lr=lr, params="none",
-                        num_microbatches=num_microbatches, **config)
+                        num_microbatches=m, bucket_cap_mb=bucket_cap_mb, **config)
             seconds = time.perf_counter() - t0
             losses = res.values[0]["losses"]
-            single = train_single(steps, batch_size=batch_size, lr=lr, num_microbatches=num_microbatches,
-                                  dp=sizes["dp"], **config)
+            same = dict(num_microbatches=m, dp=sizes["dp"]) if run["moe"] and m > 1 else {}
+            single = train_single(steps, batch_size=batch_size, lr=lr, **same, **config)
             grid = RankGrid(8, **sizes)
             cfg = GPTConfig(vocab=vocab, **config)
             measured, formula = [], []
@@ -87,8 +91,31 @@ def composed_runs(steps: int = 12, num_microbatches: int = 2, batch_size: int = 
                 formula.append(expected_bytes(cfg, grid, v["coords"], batch_size, expert_rows=rows, steps=steps))
             out[name] = dict(sizes=sizes, moe=run["moe"], losses=losses, single=single, seconds=seconds,
                              max_diff=max(abs(a - b) for a, b in zip(losses, single)),
-                             coords=[v["coords"] for v in res.values], measured=measured, formula=formula)
+                             coords=[v["coords"] for v in res.values], measured=measured, formula=formula,
+                             timeline=overlap_timeline(res.trace, rank=0))
     return out
+
+
+def overlap_timeline(trace, rank: int = 0) -> dict:
+    """The last step of ``rank`` in a composed run's trace, in ms from its first gradient: "ready"
+    (when each gradient's last accumulation happened, by bucket), "buckets" ((posted, done) of each
+    bucket's dp_cp all-reduce), "backward_end" (the last gradient ready) and "hidden" (the fraction
+    of the all-reduces' time before backward ended).  A step ends with its loss all-reduce
+    (``what="loss"``): the last step is what follows the one but last."""
+    ends = sorted(e.end for e in trace.filter("all_reduce", rank=rank, what="loss"))
+    since = ends[-2] if len(ends) > 1 else float("-inf")
+    ready = [e for e in trace.filter("grad_ready", rank=rank) if e.start > since]
+    ars = [e for e in trace.filter("all_reduce", rank=rank, what="grads") if e.start > since]
+    if not ready:
+        return {"ready": [], "buckets": [], "backward_end": 0.0, "hidden": 0.0}
+    t0 = min(e.start for e in ready)
+    end = max(e.start for e in ready)
+    busy = sum(e.end - e.start for e in ars)
+    before = sum(max(0.0, min(e.end, end) - e.start) for e in ars)
+    ms = lambda t: 1e3 * (t - t0)                                         # noqa: E731
+    return {"ready": [(ms(e.start), e.meta.get("bucket")) for e in ready],
+            "buckets": [(e.meta.get("bucket"), ms(e.start), ms(e.end)) for e in ars],
+            "backward_end": ms(end), "hidden": before / busy if busy else 0.0}
 
 
 @recordable("05c.planner_vs_run", needs=COMPOSED_NEEDS)

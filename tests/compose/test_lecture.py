@@ -69,16 +69,22 @@ def test_drawing_and_player_render_headless():
 
 def test_composed_runs_demo_equals_one_process_and_its_byte_table_matches(world):
     from reference.compose import lecture
-    runs = lecture.composed_runs(steps=2, layers=2, d_model=16, heads=2, d_ff=32, seq_len=8,
-                                       world=world(8))
-    assert set(runs) == {"3D", "4D"} and runs["4D"]["moe"] and not runs["3D"]["moe"]
+    runs = lecture.composed_runs(steps=2, layers=2, d_model=16, heads=2, d_ff=32, seq_len=8, bucket_cap_mb=0.002,
+                                 world=world(8))
+    assert set(runs) == {"3D", "4D", "3D, cp", "4D, cp"}
+    assert runs["4D"]["moe"] and runs["4D, cp"]["moe"] and not runs["3D"]["moe"] and not runs["3D, cp"]["moe"]
     for name, run in runs.items():
         assert len(run["losses"]) == len(run["single"]) == 2
         assert run["max_diff"] <= 1e-10, (name, run["losses"], run["single"])
         assert len(run["measured"]) == len(run["formula"]) == 8
+        axis = "cp" if "cp" in run["sizes"] else "pp"
         for got, want in zip(run["measured"], run["formula"]):
             assert want and {a: got.get(a, 0) for a in want} == want, (name, got, want)
-            assert got["tp"] > 0 and got["pp"] > 0 and got["dp_cp"] > 0
+            assert got["tp"] > 0 and got[axis] > 0 and got["dp_cp"] > 0
+        # the overlap timeline: several dp_cp buckets, the first posted while backward still ran
+        tl = run["timeline"]
+        assert len(tl["buckets"]) > 1 and min(start for _, start, _ in tl["buckets"]) < tl["backward_end"], (name, tl)
+        assert 0 < tl["hidden"] <= 1
 
 
 def test_planner_vs_run_demo_is_exact_on_states_and_bytes(world):
