@@ -29,10 +29,14 @@ class SavedTensorMeter:
     is released (autograd frees saved tensors as each node's backward runs).  Floating-point
     storages go to ``peak`` / ``live``; integer and boolean ones to ``peak_other`` / ``live_other``.
     ``detail``: also keep (shape, dtype, bytes) of every first save of a storage, in order.
+    ``views``: count a saved view by its own bytes, not its whole storage's — one micro-batch's rows
+    of a batch as that micro-batch's bytes (a pipeline's first stage keeps slices of the batch it
+    was given); ``exclude`` still goes by storage.
     """
 
-    def __init__(self, exclude=(), *, detail: bool = False):
+    def __init__(self, exclude=(), *, detail: bool = False, views: bool = False):
         self._skip = {_storage(t)[0] for t in exclude}
+        self._views = views
         self._refs: dict = {}
         self.live = self.peak = self.live_other = self.peak_other = 0
         self.saves = 0
@@ -50,6 +54,9 @@ class SavedTensorMeter:
         key, nbytes = _storage(t)
         if key in self._skip:
             return t
+        if self._views:
+            nbytes = t.numel() * t.element_size()
+            key = (key, t.storage_offset(), tuple(t.shape), t.stride())
         self.saves += 1
         floating = t.is_floating_point() or t.is_complex()
         n = self._refs.get(key, (0, 0, floating))[0]

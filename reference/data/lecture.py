@@ -3,16 +3,18 @@
     ddp_runs           one DataParallel backward per bucket setting, traced (the timeline widget),
                        and gradient accumulation with / without no_sync
     zero_memory        bytes held and bytes sent per step for DDP and ZeRO-1/2/3 at N = 1, 2, 4
+    against_torch      DataParallel, ZeRO-1/2 and FSDP trained beside PyTorch's DistributedDataParallel,
+                       ZeroRedundancyOptimizer and FSDP2 ``fully_shard``: the largest differences
 
-Their rank functions (``timeline_run``, ``no_sync_run``, ``zero_run``) are in :mod:`.workers`.
+Their rank functions (``timeline_run``, ``no_sync_run``, ``zero_run``, ``train``) are in :mod:`.workers`.
 """
 from __future__ import annotations
 
 from ..notebook.recorded import live_world, recordable
-from .models import layer_model
-from .workers import no_sync_run, timeline_run, zero_run
+from .models import layer_model, make_model
+from .workers import no_sync_run, timeline_run, train, zero_run
 
-__all__ = ["ddp_runs", "ddp_story", "zero_memory", "SETTINGS"]
+__all__ = ["ddp_runs", "ddp_story", "zero_memory", "against_torch", "PEERS", "SETTINGS"]
 
 
 def SETTINGS(width: int) -> dict[str, dict]:
@@ -93,3 +95,42 @@ def zero_memory(sizes: tuple = (1, 2, 4), layers: int = 4, width: int = 64, rows
         res = world.run(zero_run, tuple(sizes), layers, width, rows)
     psi = sum(p.numel() for p in layer_model(layers, width).parameters())
     return {"psi": psi, "layers": layers, "rows": res.values[0]}
+
+
+# ----------------------------------------------------------------------------------------------
+# The course's wrappers beside PyTorch's own, on the same model, batches and optimizer
+
+# (ours, its label, PyTorch's method in workers.wrap, its label).  PyTorch has no ZeRO-2 of its own on one node:
+# ZeRO-2 is set beside DDP + ZeroRedundancyOptimizer, whose updates it must equal (only the gradient bytes held differ).
+PEERS = (("ddp", "DataParallel", "torch_ddp", "DistributedDataParallel"),
+         ("zero1", "ZeroOptimizer(stage=1)", "torch_zero1", "DDP + ZeroRedundancyOptimizer"),
+         ("zero2", "ZeroOptimizer(stage=2)", "torch_zero1", "DDP + ZeroRedundancyOptimizer"),
+         ("fsdp", "FullyShardedDataParallel", "torch_fsdp", "FSDP2 fully_shard"))
+
+
+@recordable("03.vs_torch", needs=("3.2", "3.3", "3.4"))
+def against_torch(world_size: int = 2, kind: str = "block", opt: str = "adamw", steps: int = 3,
+                  world=None) -> dict:
+    """Each pair of :data:`PEERS` trains the same seeded float64 model (``kind``: TinyBlock, with its
+    tied and frozen parameters) for ``steps`` optimizer steps on ``world_size`` ranks, every rank on
+    its own micro-batches (:func:`.workers.train`).
+
+    Returns {"world_size", "kind", "opt", "steps", "numel" (trainable elements), "rows": one per pair
+    {"ours", "peer", "max_param_diff" (max over ranks and parameters of |ours − PyTorch's| after the
+    last step), "max_loss_diff" (max over ranks and steps of the loss difference), "losses" (rank 0's
+    losses, ours)}}."""
+    methods = sorted({m for ours, _, peer, _ in PEERS for m in (ours, peer)})
+    with live_world(world_size, {world_size: world} if world is not None else None) as w:
+        runs = {m: w.run(train, m, kind, opt, steps=steps, return_grads=False).values for m in methods}
+    rows = []
+    for ours, ours_label, peer, peer_label in PEERS:
+        a, b = runs[ours], runs[peer]
+        rows.append({"ours": ours_label, "peer": peer_label,
+                     "max_param_diff": max(float((a[r]["params"][n] - t).abs().max())
+                                           for r in range(world_size) for n, t in b[r]["params"].items()),
+                     "max_loss_diff": max(abs(x - y) for r in range(world_size)
+                                          for x, y in zip(a[r]["losses"], b[r]["losses"])),
+                     "losses": a[0]["losses"]})
+    model = make_model(kind)
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"world_size": world_size, "kind": kind, "opt": opt, "steps": steps, "numel": numel, "rows": rows}

@@ -10,6 +10,8 @@ micro-step m comes from :func:`batch`; the single process concatenates every ran
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -79,7 +81,8 @@ def train(method: str, kind: str = "mlp", opt: str = "adamw", *, steps: int = 3,
           overlap: bool = True, skip_no_sync: bool = False, dtype=torch.float64, model_kw: dict | None = None,
           return_grads: bool = True) -> dict:
     """Train and return {"params": {name: tensor}, "grads": first step's synced grads (by name, where
-    the method keeps whole gradients), "memory": memory_report after the last step (course methods)}."""
+    the method keeps whole gradients), "memory": memory_report after the last step (course methods),
+    "losses": this rank's loss of each step (its micro-batches' losses ÷ accum, summed)}."""
     W = world_size or comm.world_size()
     r = comm.rank()
     model = make_model(kind, seed, dtype, **(model_kw or {}))
@@ -89,8 +92,9 @@ def train(method: str, kind: str = "mlp", opt: str = "adamw", *, steps: int = 3,
     wrapped, optimizer = wrap(method, model, opt_cls, opt_kw, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
                               fsdp_units=units)
     memory = None
-    grads = {}
+    grads, losses = {}, []
     for step in range(steps):
+        losses.append(0.0)
         for m in range(accum):
             if method == "single":
                 parts = [batch(kind, seed, step, m, q, rows, scale, dtype) for q in range(W)]
@@ -98,11 +102,10 @@ def train(method: str, kind: str = "mlp", opt: str = "adamw", *, steps: int = 3,
             else:
                 x, y = batch(kind, seed, step, m, r, rows, scale, dtype)
             quiet = m < accum - 1 and not skip_no_sync and hasattr(wrapped, "no_sync")
-            if quiet:
-                with wrapped.no_sync():
-                    _loss(wrapped, x, y, accum).backward()
-            else:
-                _loss(wrapped, x, y, accum).backward()
+            with wrapped.no_sync() if quiet else nullcontext():
+                loss = _loss(wrapped, x, y, accum)
+                loss.backward()
+            losses[-1] += float(loss)
         if step == 0 and return_grads and method in ("ddp", "torch_ddp", "torch_zero1", "single"):
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
@@ -118,7 +121,7 @@ def train(method: str, kind: str = "mlp", opt: str = "adamw", *, steps: int = 3,
         params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     else:
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"params": params, "grads": grads, "memory": memory}
+    return {"params": params, "grads": grads, "memory": memory, "losses": losses}
 
 
 # ----------------------------------------------------------------------------------------------

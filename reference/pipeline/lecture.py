@@ -1,7 +1,8 @@
 """Lecture 4b's demos: what notebook 04b runs, recorded from the reference for the student release.
 
 Each function below starts (or reuses) worlds, runs the reference pipeline on real ranks and
-returns plain data — traces, errors against one process, measured bubbles — so the notebook cells
+returns plain data — traces, errors against one process, measured bubbles, bytes (the activations a
+stage holds at its peak, the messages across each stage boundary) — so the notebook cells
 stay short and the release can replay them before exercises 4.4–4.6 are done
 (:mod:`reference.notebook.recorded`).  The grader's ground truth for 4.6 is here too (:func:`slot_bubble`).
 """
@@ -124,3 +125,63 @@ def against_torch(p: int = 2, m: int = 4, worlds: dict | None = None) -> dict:
                          "grad_diff": max(float((g_ours[n] - g_peer[n]).abs().max()) for n in g_ours),
                          "same_order": [x["executed"] for x in peer.values] == actions_from_trace(ours.trace, p)}
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Bytes: activation memory per stage and messages per stage boundary
+
+
+def in_flight(name: str, p: int, m: int, stage: int, v: int = 1) -> int:
+    """Micro-batches whose activations ``stage`` holds at its peak (with interleaving: chunk-micro-batches,
+    each of L/(p·v) layers): GPipe m; 1F1B min(m, p − s), its warm-up plus the steady state's first
+    forward; interleaved 1F1B min(v·m, (v − 1)·p + 2·(p − s − 1) + 1), Megatron-LM's warm-up plus one —
+    on stage 0, v·p + p − 1 chunks of L/(p·v) layers: L·(1 + (p − 1)/(p·v)) layers' worth
+    (Korthikanti et al. 2022, §4.2.3)."""
+    if name == "gpipe":
+        return m
+    if name == "1f1b":
+        return min(m, p - stage)
+    if name == "interleaved_1f1b":
+        return min(v * m, (v - 1) * p + 2 * (p - stage - 1) + 1)
+    raise ValueError(f"no in-flight formula for {name!r}")
+
+
+def stage_bytes_formula(name: str, p: int, m: int, v: int, layers: int, width: int, rows: int,
+                        bytes_per_value: int = 8) -> list[int]:
+    """Peak saved activation bytes of each stage for :func:`.workers.memory_worker`'s model: the
+    micro-batches in flight × the chunk's L/(p·v) blocks × 2 tensors of rows × width values each."""
+    per_block = 2 * rows * width * bytes_per_value
+    return [in_flight(name, p, m, s, v) * layers // (p * v) * per_block for s in range(p)]
+
+
+def boundary_bytes(trace) -> dict[tuple[int, int], dict[str, int]]:
+    """Bytes the trace's sends carried across each stage boundary (k, k + 1), by kind: "activation"
+    (k → k + 1) and "gradient" (k + 1 → k); the one-off shape hand-shake ("shape") apart."""
+    out: dict[tuple[int, int], dict[str, int]] = {}
+    for e in trace.filter(op="send"):
+        what, a, b = e.meta.get("what"), e.meta.get("stage"), e.meta.get("peer_stage")
+        if a is None or b is None:
+            continue
+        cell = out.setdefault((min(a, b), max(a, b)), {"activation": 0, "gradient": 0, "shape": 0})
+        cell[what] = cell.get(what, 0) + e.nbytes
+    return dict(sorted(out.items()))
+
+
+@recordable("04b.bytes", needs=("4.4", "4.5"), ignore=("worlds",))
+def stage_bytes(p: int = 4, m: int = 8, layers: int = 8, width: int = 16, rows: int = 2,
+                worlds: dict | None = None) -> dict:
+    """GPipe, 1F1B and interleaved 1F1B (v = 2) on ``p`` ranks, one float64 step each of
+    :func:`.workers.memory_worker` (``layers`` blocks of ``width``, ``rows`` rows per micro-batch, ``m``
+    micro-batches): {"p", "m", "layers", "width", "rows", "runs": {name: {"virtual_stages", "peak"
+    (measured peak saved activation bytes per rank), "formula" (:func:`stage_bytes_formula`),
+    "in_flight" (per rank), "boundaries" (:func:`boundary_bytes`)}}}."""
+    runs = {}
+    with live_world(p, worlds) as w:
+        for name in ("gpipe", "1f1b", "interleaved_1f1b"):
+            v = 2 if name == "interleaved_1f1b" else 1
+            res = w.run(workers.memory_worker, name, m, virtual_stages=v, layers=layers, width=width, rows=rows)
+            runs[name] = {"virtual_stages": v, "peak": [x["peak"] for x in res.values],
+                          "formula": stage_bytes_formula(name, p, m, v, layers, width, rows),
+                          "in_flight": [in_flight(name, p, m, s, v) for s in range(p)],
+                          "boundaries": boundary_bytes(res.trace)}
+    return {"p": p, "m": m, "layers": layers, "width": width, "rows": rows, "runs": runs}

@@ -28,12 +28,13 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
 def make_model(layers: int = 4, width: int = 8, *, out_features: int = 4, seed: int = 0,
-               dtype: str | torch.dtype = "float64") -> nn.Sequential:
-    """``layers`` blocks: (layers − 1) × [Linear(width, width), Tanh], then Linear(width, out_features).
-    Deterministic from ``seed`` (the same on every rank)."""
+               dtype: str | torch.dtype = "float64", act: str = "tanh") -> nn.Sequential:
+    """``layers`` blocks: (layers − 1) × [Linear(width, width), Tanh (or GELU: ``act="gelu"``)], then
+    Linear(width, out_features).  Deterministic from ``seed`` (the same on every rank)."""
     dtype = DTYPES.get(dtype, dtype)
     g = torch.Generator().manual_seed(seed)
-    blocks = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers - 1)]
+    blocks = [nn.Sequential(nn.Linear(width, width), {"tanh": nn.Tanh, "gelu": nn.GELU}[act]())
+              for _ in range(layers - 1)]
     model = nn.Sequential(*blocks, nn.Linear(width, out_features)).to(dtype)
     with torch.no_grad():
         for t in model.parameters():
@@ -56,26 +57,30 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target)
 
 
+def squared_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """:func:`mse` written out: it keeps one tensor for the backward, the residual (F.mse_loss keeps
+    the output and the target)."""
+    return (output - target).pow(2).mean()
 
 
-
-
-def _setup(num_stages, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype):
+def _setup(num_stages, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype, **model_kw):
     layers = layers if layers is not None else 2 * num_stages * virtual_stages
     batch = batch if batch is not None else 2 * num_microbatches
-    model = make_model(layers, width, seed=seed, dtype=dtype)
+    model = make_model(layers, width, seed=seed, dtype=dtype, **model_kw)
     pieces = split_model(model, num_stages, virtual_stages=virtual_stages, sizes=sizes)
-    return model, pieces, make_batch(batch, width, seed=seed, dtype=dtype)
+    out = {"out_features": model_kw["out_features"]} if "out_features" in model_kw else {}
+    return model, pieces, make_batch(batch, width, seed=seed, dtype=dtype, **out)
 
 
-def _my_share(stages, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype):
+def _my_share(stages, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype, **model_kw):
     """This rank's part of the run on the first ``stages`` ranks: (group, p, rank in it, full model,
     its chunks, (inputs, targets)); None on a rank outside those stages."""
     group = comm.first_ranks_group(stages or comm.world_size())
     if comm.rank() >= (stages or comm.world_size()):
         return None
     p, r = comm.world_size(group), comm.rank(group)
-    model, pieces, batch_xy = _setup(p, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype)
+    model, pieces, batch_xy = _setup(p, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype,
+                                     **model_kw)
     return group, p, r, model, chunks_of_rank(pieces, r, p), batch_xy
 
 
@@ -101,6 +106,30 @@ def pipeline_worker(schedule: str = "1f1b", num_microbatches: int = 4, *, virtua
     return {"rank": r, "stages": [c * p + r for c in range(virtual_stages)],
             "loss": None if loss is None else float(loss),
             "grads": {n: t.grad.clone() for n, t in parameter_names(model, mine).items()}}
+
+
+def memory_worker(schedule: str = "1f1b", num_microbatches: int = 8, *, virtual_stages: int = 1,
+                  stages: int | None = None, layers: int = 8, width: int = 16, rows: int = 2,
+                  seed: int = 0) -> dict | None:
+    """One float64 step of :func:`pipeline_worker`'s pipeline, its activation memory measured: the
+    model is ``layers`` blocks Linear(w, w) → GELU (the last a bare Linear(w, w)), ``rows`` rows per
+    micro-batch, the loss :func:`squared_error`.  Per micro-batch each block keeps two (rows, w) tensors
+    for the backward — its Linear's input and its GELU's input (the last block: its Linear's input and
+    the loss's residual) — so a chunk of k blocks keeps 2·k·rows·w·8 bytes of each micro-batch in flight.
+
+    Returns {"rank", "peak" (the most bytes autograd held saved at once on this rank during the step:
+    :class:`reference.saved.SavedTensorMeter`, parameters left out, a micro-batch's rows of the batch
+    counted as its own), "saves" (tensors saved)}; the messages are in the world's trace."""
+    from ..saved import SavedTensorMeter
+    share = _my_share(stages, layers, width, rows * num_microbatches, num_microbatches, virtual_stages, None, seed,
+                      "float64", act="gelu", out_features=width)
+    if share is None:
+        return None
+    group, p, r, model, mine, (x, y) = share
+    with SavedTensorMeter(list(model.parameters()), views=True) as meter:
+        run_pipeline(mine, schedule, x, y, squared_error, num_microbatches=num_microbatches,
+                     virtual_stages=virtual_stages, group=group)
+    return {"rank": r, "peak": meter.peak + meter.peak_other, "saves": meter.saves}
 
 
 # ----------------------------------------------------------------------------------------------

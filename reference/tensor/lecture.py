@@ -12,7 +12,7 @@ import torch
 
 from ..notebook.recorded import live_world, recordable
 from .costs import collectives
-from .workers import block_worker, mlp_worker, vocab_worker
+from .workers import block_worker, dtensor, mlp_worker, parallel, vocab_worker
 
 WORLD = 4     # ranks the notebook keeps alive; groups of tp = 1, 2 or 4 of them
 
@@ -79,3 +79,32 @@ def vocab_loss(tp: int = 4, tokens: int = 6, V: int = 32000, scale: float = 30.0
     return {"tp": tp, "tokens": tokens, "V": V, "loss": res.values[0]["loss"], "want": res.values[0]["want"],
             "collectives": [{"what": e.meta.get("what"), "nbytes": e.nbytes}
                             for e in res.trace.filter(op="all_reduce", rank=0)]}
+
+
+# The course's layers beside PyTorch's DTensor plans (workers.dtensor): (kind, sequence parallel, the plan as printed)
+PLANS = {"MLP": ("mlp", False, "fc1: ColwiseParallel, fc2: RowwiseParallel"),
+         "block": ("block", False, "q, k, v, fc1: ColwiseParallel; proj, fc2: RowwiseParallel"),
+         "block + sequence parallel": ("block", True, "+ ln1, ln2: SequenceParallel; attn, mlp: PrepareModuleInput "
+                                                      "Shard(0) → Replicate; proj, fc2: RowwiseParallel → Shard(0)")}
+
+
+@recordable("04a.vs_dtensor", needs=("4.1", "4.2"))
+def against_dtensor(tp: int = 2, S: int = 16, B: int = 2, d_model: int = 32, heads: int = 4, world=None) -> dict:
+    """The course's ParallelMLP and ParallelBlock (with and without sequence parallelism) beside the same
+    float64 modules under DTensor's ``parallelize_module`` (:data:`PLANS`), forward + backward on groups of
+    ``tp`` ranks: {"rows": one per plan {"case", "plan", "out", "dx", "grads" (max |ours − DTensor's| over
+    the ranks: output, input gradient, every parameter's local gradient), "worst" (the parameter of the
+    largest gradient difference), "partial" (the parameters DTensor left with a Partial(sum) gradient)}}."""
+    cfg = dict(S=S, B=B, d_model=d_model, heads=heads, d_ff=4 * d_model)
+    rows = []
+    with _world(world) as w:
+        for case, (kind, sp, plan) in PLANS.items():
+            ours = w.run(parallel, kind, sp, tp=tp, **cfg).values
+            peer = w.run(dtensor, kind, sp, tp=tp, **cfg).values
+            diff = {n: max(float((a["grads"][n] - b["grads"][n]).abs().max()) for a, b in zip(ours, peer))
+                    for n in ours[0]["grads"]}
+            rows.append({"case": case, "plan": plan, "worst": max(diff, key=diff.get), "grads": max(diff.values()),
+                         "partial": peer[0]["partial"],
+                         **{k: max(float((a[k] - b[k]).abs().max()) for a, b in zip(ours, peer))
+                            for k in ("out", "dx")}})
+    return {"tp": tp, **cfg, "rows": rows}

@@ -52,18 +52,20 @@ def single(kind: str, **cfg) -> dict:
 
 
 def parallel(kind: str, sequence_parallel: bool = False, sync: bool = True, save_shard: bool = True,
-             recompute: str = "none", **cfg) -> dict:
+             recompute: str = "none", tp: int | None = None, **cfg) -> dict:
     """This rank's shard of ``kind``: output, input gradient, local parameter gradients (by name).
     ``save_shard`` False: column-parallel layers keep their gathered input under sequence parallelism;
-    ``recompute``: the block's activation recomputation ("none", "selective", "full")."""
+    ``recompute``: the block's activation recomputation ("none", "selective", "full"); ``tp``: on groups
+    of tp consecutive ranks (:func:`tp_group`), not the whole world."""
     m, x, dout = build(kind, **cfg)
-    W, r = comm.world_size(), comm.rank()
+    group = tp_group(tp) if tp else None
+    W, r = comm.world_size(group), comm.rank(group)
     if kind == "mlp":
-        pm = ParallelMLP.from_module(m, sequence_parallel=sequence_parallel)
+        pm = ParallelMLP.from_module(m, group, sequence_parallel=sequence_parallel)
     elif kind == "attn":
-        pm = ParallelSelfAttention.from_module(m, sequence_parallel=sequence_parallel)
+        pm = ParallelSelfAttention.from_module(m, group, sequence_parallel=sequence_parallel)
     else:
-        pm = ParallelBlock(m, sequence_parallel=sequence_parallel, recompute=recompute)
+        pm = ParallelBlock(m, group, sequence_parallel=sequence_parallel, recompute=recompute)
     for layer in pm.modules():
         if isinstance(layer, ColumnParallelLinear):
             layer.save_shard = save_shard
@@ -75,23 +77,103 @@ def parallel(kind: str, sequence_parallel: bool = False, sync: bool = True, save
     y.backward(dout)
     if sequence_parallel and sync:
         params = pm.sequence_parallel_params() if kind == "block" else [pm.proj.bias if kind == "attn" else pm.fc2.bias]
-        sync_sequence_parallel_grads(params)
+        sync_sequence_parallel_grads(params, group)
     return {"out": y.detach(), "dx": x.grad, "grads": {n: p.grad for n, p in pm.named_parameters()},
             "params": {n: p.detach() for n, p in pm.named_parameters()}}
 
 
-def dtensor_mlp(**cfg) -> dict:
-    """PyTorch's own tensor parallelism on the same MLP: ColwiseParallel fc1, RowwiseParallel fc2."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    m, x, dout = build("mlp", **cfg)
-    mesh = init_device_mesh("cpu", (comm.world_size(),))
-    parallelize_module(m, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+def dtensor(kind: str = "mlp", sequence_parallel: bool = False, tp: int | None = None, **cfg) -> dict:
+    """PyTorch's own tensor parallelism (DTensor ``parallelize_module``) on the same ``kind`` ("mlp" or
+    "block", no dropout) as :func:`parallel`, returned as :func:`parallel` returns it: the block's
+    gradients under the names and in the layout of :class:`.blocks.ParallelBlock` (q, k, v rows of
+    this rank's heads stacked as its ``attn.qkv``).  ColwiseParallel ``fc1`` (and ``q``, ``k``, ``v``:
+    one Linear each, so that a contiguous shard of rows is this rank's heads), RowwiseParallel ``fc2``
+    (and ``proj``); with ``sequence_parallel`` the LayerNorms are SequenceParallel along S (dim 0), each
+    Linear pair is entered through an all-gather (PrepareModuleInput: Shard(0) → Replicate) and left
+    through a reduce-scatter (RowwiseParallel to Shard(0)), and the block takes and returns its S/W rows."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                                   RowwiseParallel, SequenceParallel, parallelize_module)
+    if cfg.get("dropout_p", 0.0):
+        raise ValueError("the DTensor peer runs without dropout (its random streams are not the course's)")
+    group = tp_group(tp) if tp else None
+    W, r = comm.world_size(group), comm.rank(group)
+    mesh = DeviceMesh.from_group(group or torch.distributed.group.WORLD, "cpu")
+    m, x, dout = build(kind, **cfg)
+    sp = sequence_parallel
+    leave = dict(output_layouts=Shard(0), use_local_output=False) if sp else {}
+    enter = PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),))
+    if kind == "mlp":
+        plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel(**leave)}
+        inside = Replicate()          # the MLP is entered through the all-gather itself
+    elif kind == "block":
+        m = _QKVBlock(m)
+        plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                "attn.proj": RowwiseParallel(**leave), "mlp.fc1": ColwiseParallel(),
+                "mlp.fc2": RowwiseParallel(**leave)}
+        inside = Shard(0)             # the residual stream: this rank's S/W rows, as DTensors inside the block
+        if sp:
+            plan.update({"ln1": SequenceParallel(sequence_dim=0), "ln2": SequenceParallel(sequence_dim=0),
+                         "attn": enter, "mlp": enter})
+    else:
+        raise ValueError(f"no DTensor peer for {kind!r}")
+    if sp:                            # takes and returns this rank's S/W rows as plain tensors
+        parallelize_module(m, mesh, PrepareModuleInputOutput(
+            input_layouts=(Shard(0),), desired_input_layouts=(inside,), output_layouts=(Shard(0),),
+            desired_output_layouts=(Shard(0),), use_local_output=True))
+    parallelize_module(m, mesh, plan)
+    if sp:
+        n = x.shape[0] // W
+        x, dout = x[r * n:(r + 1) * n], dout[r * n:(r + 1) * n]
     x = x.clone().requires_grad_()
     y = m(x)
     y.backward(dout)
-    return {"out": y.detach(), "dx": x.grad,
-            "grads": {n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for n, p in m.named_parameters()}}
+    local = {n: _local(p.grad) for n, p in m.named_parameters()}
+    if kind == "block":
+        for leaf in ("weight", "bias"):
+            local[f"attn.qkv.{leaf}"] = torch.cat([local.pop(f"attn.{c}.{leaf}") for c in "qkv"])
+    return {"out": _local(y.detach()), "dx": x.grad, "grads": local,
+            "partial": sorted(n for n, p in m.named_parameters()
+                              if any(pl.is_partial() for pl in getattr(p.grad, "placements", ())))}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part as a plain tensor: a Partial(sum) gradient (a LayerNorm's under
+    SequenceParallel: each rank's rows only) summed first, as our sync_sequence_parallel_grads does;
+    an asynchronous collective's result waited for."""
+    from torch.distributed.tensor import DTensor, Replicate
+    if isinstance(t, DTensor):
+        if any(pl.is_partial() for pl in t.placements):
+            t = t.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in t.placements])
+        t = t.to_local()
+    return t.wait() if hasattr(t, "wait") else t
+
+
+def dtensor_mlp(**cfg) -> dict:
+    """PyTorch's own tensor parallelism on the same MLP: ColwiseParallel fc1, RowwiseParallel fc2."""
+    return dtensor("mlp", **cfg)
+
+
+class _QKVBlock(torch.nn.Module):
+    """:class:`.blocks.Block` (no dropout) with its fused ``qkv`` as three Linears ``q``, ``k``, ``v``:
+    what DTensor's ColwiseParallel shards by heads.  The same weights, copied."""
+
+    def __init__(self, block: Block):
+        super().__init__()
+        import copy
+        attn, d = block.attn, block.attn.proj.in_features
+        self.ln1, self.ln2, self.mlp = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2), copy.deepcopy(block.mlp)
+        self.attn = _QKVAttention(d, attn.heads, dtype=attn.qkv.weight.dtype)
+        with torch.no_grad():
+            for i, c in enumerate((self.attn.q, self.attn.k, self.attn.v)):
+                c.weight.copy_(attn.qkv.weight[i * d:(i + 1) * d])
+                c.bias.copy_(attn.qkv.bias[i * d:(i + 1) * d])
+            self.attn.proj.load_state_dict(attn.proj.state_dict())
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
 
 
 def vocab(V: int = 12, d: int = 4, tokens: int = 10, seed: int = 0, scale: float = 30.0, ignore: tuple = (3,),
@@ -146,17 +228,20 @@ def timed(kind: str, steps: int = 5, peer: str = "reference", **cfg) -> float:
 
 
 class _QKVAttention(torch.nn.Module):
-    """Separate q, k, v projections (what DTensor's ColwiseParallel shards by heads) + output projection."""
+    """Separate q, k, v projections (what DTensor's ColwiseParallel shards by heads) + output projection.
+    ``heads``: of the whole module; once ColwiseParallel has cut q, k and v, a rank attends over its
+    own (its q has heads/W heads' features)."""
 
-    def __init__(self, d_model: int, heads: int, local_heads: int):
+    def __init__(self, d_model: int, heads: int, *, dtype=None):
         super().__init__()
-        self.q, self.k, self.v = (torch.nn.Linear(d_model, d_model) for _ in range(3))
-        self.proj = torch.nn.Linear(d_model, d_model)
-        self.local_heads = local_heads
+        self.q, self.k, self.v = (torch.nn.Linear(d_model, d_model, dtype=dtype) for _ in range(3))
+        self.proj = torch.nn.Linear(d_model, d_model, dtype=dtype)
+        self.heads, self.d_model = heads, d_model
 
     def forward(self, x):
         from .blocks import attend
-        return self.proj(attend(self.q(x), self.k(x), self.v(x), self.local_heads))
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        return self.proj(attend(q, k, v, self.heads * q.shape[-1] // self.d_model))
 
 
 def bench(kind: str, peer: str, S: int, d_model: int, heads: int, iters: int = 3) -> float:
@@ -177,7 +262,7 @@ def bench(kind: str, peer: str, S: int, d_model: int, heads: int, iters: int = 3
             m = parallelize_module(MLP(d_model, 4 * d_model), mesh,
                                    {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
         else:
-            m = parallelize_module(_QKVAttention(d_model, heads, heads // W), mesh,
+            m = parallelize_module(_QKVAttention(d_model, heads), mesh,
                                    {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
                                     "proj": RowwiseParallel()})
     best = float("inf")

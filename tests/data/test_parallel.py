@@ -114,6 +114,16 @@ def test_fsdp_equals_fsdp2_fully_shard(runs, W, kind):
             close(ours.values[r]["params"][n], p, f"rank {r} {n} vs FSDP2")
 
 
+def test_the_lecture_table_puts_every_wrapper_within_1e_12_of_pytorchs_own(world):
+    """Lecture 3's table: ZeRO-2 too, beside DDP + ZeroRedundancyOptimizer (PyTorch has no stage 2 of its own)."""
+    from reference.data.lecture import PEERS, against_torch
+    res = against_torch(world=world(2))
+    assert [(row["ours"], row["peer"]) for row in res["rows"]] == [(o, p) for _, o, _, p in PEERS]
+    for row in res["rows"]:
+        assert row["max_param_diff"] <= 1e-12 and row["max_loss_diff"] <= 1e-12, row
+        assert len(row["losses"]) == res["steps"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Bytes from the trace, memory from the storages
 

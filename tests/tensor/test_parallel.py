@@ -84,6 +84,32 @@ def test_mlp_matches_dtensor_colwise_rowwise(world, W):
             torch.testing.assert_close(a["grads"][name], b["grads"][name], **TOL, msg=lambda m: f"{name} rank {r}: {m}")
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_block_matches_dtensor_plans_with_and_without_sequence_parallel(world, sp):
+    """The whole block against parallelize_module: q, k, v, fc1 ColwiseParallel, proj, fc2 RowwiseParallel;
+    with SP, SequenceParallel LayerNorms entered/left through Shard(0).  DTensor leaves the LayerNorm
+    gradients Partial(sum) under SP: the pending sum sync_sequence_parallel_grads does."""
+    W, cfg = 2, dict(cfg_for(2), scale=30.0, seed=4)
+    ours = world(W).run(workers.parallel, "block", sp, **cfg)
+    peer = world(W).run(workers.dtensor, "block", sp, **cfg)
+    for r in range(W):
+        a, b = ours.values[r], peer.values[r]
+        torch.testing.assert_close(a["out"], b["out"], **TOL)
+        torch.testing.assert_close(a["dx"], b["dx"], **TOL)
+        assert set(a["grads"]) == set(b["grads"])
+        for name, g in b["grads"].items():
+            torch.testing.assert_close(a["grads"][name], g, **TOL, msg=lambda m: f"{name} rank {r}: {m}")
+        assert b["partial"] == (["ln1.bias", "ln1.weight", "ln2.bias", "ln2.weight"] if sp else [])
+
+
+def test_the_lecture_table_puts_every_plan_within_1e_12_of_ours(world):
+    from reference.tensor.lecture import PLANS, against_dtensor
+    res = against_dtensor(world=world(4))
+    assert [row["case"] for row in res["rows"]] == list(PLANS)
+    for row in res["rows"]:
+        assert max(row["out"], row["dx"], row["grads"]) <= 1e-12, row
+
+
 def test_from_linear_keeps_contiguous_shards_laid_out_as_nn_linear(world):
     cfg = cfg_for(2)
     res = world(2).run(workers.parallel, "mlp", **cfg)
