@@ -1,9 +1,12 @@
 """The lecture 5b notebook's runs (recorded for the student release, see ``reference.notebook.recorded``):
 gating and capacity examples, the balance loss, collapse, expert parallelism against one process,
-dispatch bytes, routing traces, balance under expert × data parallelism, FLOPs per token.  Their
-rank functions are in :mod:`.workers`, the grader's truths in :mod:`.oracles`.
+dispatch bytes, routing traces, balance under expert × data parallelism, FLOPs per token, and the
+tiny GPT (:mod:`reference.gpt`) trained dense, top-1 and top-2.  Their rank functions are in
+:mod:`.workers`, the grader's truths in :mod:`.oracles`.
 """
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -140,3 +143,119 @@ def balance_strength_under_ep_dp(worlds: dict | None = None) -> dict:
 def flops_table(experts: tuple = (4, 8, 16, 32, 64), k: int = 2) -> list[dict]:
     """:func:`flops_per_token` for each number of experts."""
     return [flops_per_token(E, k=k) for E in experts]
+
+
+# ---------------------------------------------------------------------------------- top-1 vs top-2, trained
+
+SETTINGS = {"dense": {}, "top-1": {"top_k": 1}, "top-2": {"top_k": 2}}
+
+
+def _block_costs(model, x: torch.Tensor) -> dict:
+    """One forward of ``model`` on ``x`` (B, S) under FlopCounterMode, with the MoE layers' routing
+    counted by a hook: FLOPs per token of each block's feed-forward work (its experts' matmuls, or
+    its dense MLP's) and of the routers, the whole model's, and the assignments the routers
+    dispatched (dropless: k per token)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    dispatched = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: dispatched.append(int(out[1]["tokens_per_expert"].sum())))
+             for m in model.modules() if isinstance(m, MoELayer)]
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    flops = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
+    tokens = x.numel()
+    ffn = [sum(f for name, f in flops.items() if re.fullmatch(rf"TinyGPT\.blocks\.{i}\.mlp\.(fc[12]|moe\.experts\.\d+)",
+                                                             name)) / tokens for i in range(len(model.blocks))]
+    router = sum(f for name, f in flops.items() if name.endswith(".moe.router"))
+    return {"tokens": tokens, "ffn_flops_per_token": ffn, "router_flops_per_token": router / tokens,
+            "model_flops_per_token": flops["Global"] / tokens, "dispatched": sum(dispatched),
+            "moe_layers": len(dispatched), "params": sum(p.numel() for p in model.parameters())}
+
+
+def topk_summary(result: dict) -> dict:
+    """Per setting of a :func:`topk_quality` result: the final held-out loss per seed, its mean and
+    sample standard deviation over seeds, and the costs of the MoE block(s) per token: "ffn_flops"
+    (the experts' FLOPs, or the dense MLP's in the same blocks), "dispatched" (assignments the
+    routers made per token and MoE layer: k, dropless), "model_flops" and "params"."""
+    import statistics
+    cfg = result["config"]
+    moe_blocks = [i for i in range(cfg["layers"]) if i % cfg["moe_every"] == cfg["moe_every"] - 1]
+    out = {}
+    for name, run in result["runs"].items():
+        final = [curve[-1][1] for curve in run["heldout"]]
+        c = result["cost"][name]
+        out[name] = {"heldout": final, "mean": statistics.fmean(final),
+                     "std": statistics.stdev(final) if len(final) > 1 else 0.0,
+                     "ffn_flops": sum(c["ffn_flops_per_token"][i] for i in moe_blocks) / len(moe_blocks),
+                     "dispatched": c["dispatched"] / (c["tokens"] * c["moe_layers"]) if c["moe_layers"] else 0.0,
+                     "model_flops": c["model_flops_per_token"], "params": c["params"]}
+    return out
+
+
+def topk_story(result: dict) -> list[str]:
+    """How a :func:`topk_quality` result contradicts the notebook's text (empty if it does not): top-2
+    dispatches exactly twice top-1's tokens; it ends below top-1 in every seed, by less on average
+    than the seed-to-seed spread; top-1 and dense are within that spread of each other."""
+    s, broken = topk_summary(result), []
+    one, two, dense = s["top-1"], s["top-2"], s["dense"]
+    if two["dispatched"] != 2 * one["dispatched"] or two["ffn_flops"] != 2 * one["ffn_flops"]:
+        broken.append("top-2 did not dispatch and compute exactly twice top-1's tokens")
+    if not all(b < a for a, b in zip(one["heldout"], two["heldout"])):
+        broken.append("top-2 did not end below top-1 in every seed")
+    if one["mean"] - two["mean"] >= max(one["std"], two["std"]):
+        broken.append("top-2's mean gain is larger than the seed spread")
+    if abs(one["mean"] - dense["mean"]) >= max(one["std"], dense["std"]):
+        broken.append("top-1 and dense differ by more than the seed spread")
+    return broken
+
+
+@recordable("05b.topk_quality", needs=("5b.1", "5b.2"), story=topk_story, **_NB)
+def topk_quality(steps: int = 150, seeds: tuple = (0, 1, 2), num_experts: int = 4, batch_size: int = 16,
+                 lr: float = 1e-2, eval_every: int = 25, d_model: int = 32, heads: int = 4, layers: int = 2,
+                 d_ff: int = 64, seq_len: int = 16, moe_every: int = 2) -> dict:
+    """The tiny GPT (reference.gpt, float64, one process, one thread) trained dense, top-1 and top-2
+    (``num_experts`` dropless experts in every ``moe_every``-th block; top-1 and top-2 from the same
+    initial weights for a seed), once per seed, with :func:`reference.gpt.train_single`.
+
+    Returns {"config", "runs": {setting: {"losses": per seed train_single's curve (task + 0.01·aux),
+    "heldout": per seed [(step, held-out cross-entropy)] every ``eval_every`` steps and at the end}},
+    "cost": {setting: :func:`_block_costs` on the held-out batch}}.  Held out: 128 windows of
+    ``corpus(seed=1)`` — new sentences of the same grammar, never trained on.
+    """
+    import torch.nn.functional as F
+
+    from ..gpt import GPTConfig, TinyGPT, corpus, encode, get_batch, train_single
+    size = dict(d_model=d_model, heads=heads, layers=layers, d_ff=d_ff, seq_len=seq_len)
+    _, alphabet = encode(corpus())
+    index = {c: i for i, c in enumerate(alphabet)}
+    held = torch.tensor([index[c] for c in corpus(seed=1)])
+    hx, hy = get_batch(held, 0, 128, seq_len, seed=1)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    runs, cost = {}, {}
+    try:
+        for name, extra in SETTINGS.items():
+            config = dict(size, num_experts=num_experts, moe_every=moe_every, **extra) if extra else size
+            runs[name] = {"losses": [], "heldout": []}
+            for seed in seeds:
+                torch.manual_seed(seed)
+                model = TinyGPT(GPTConfig(vocab=len(alphabet), **config)).double()
+                curve = []
+
+                def evaluate(step, _loss, model=model, curve=curve):
+                    if (step + 1) % eval_every == 0 or step + 1 == steps:
+                        with torch.no_grad():
+                            logits = model(hx)
+                        curve.append((step + 1, F.cross_entropy(logits.flatten(0, 1), hy.flatten()).item()))
+                runs[name]["losses"].append(train_single(steps, batch_size=batch_size, lr=lr, seed=seed,
+                                                         model=model, on_step=evaluate))
+                runs[name]["heldout"].append(curve)
+            cost[name] = _block_costs(model, hx)
+    finally:
+        torch.set_num_threads(old)
+    return {"config": dict(size, steps=steps, seeds=tuple(seeds), num_experts=num_experts, batch_size=batch_size,
+                           lr=lr, moe_every=moe_every, heldout_tokens=hx.numel()),
+            "runs": runs, "cost": cost}

@@ -59,6 +59,33 @@ def params_vs_flops(rows: list[dict]):
     return fig
 
 
+def topk_quality(result: dict, smooth: int = 10):
+    """Lecture 5b: the tiny GPT dense, top-1 and top-2 (``reference.moe.lecture.topk_quality``): training
+    loss (``smooth``-step moving average; line: mean over seeds, band: min–max) and held-out loss."""
+    import torch
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.4))
+    for name, run in result["runs"].items():
+        losses = torch.tensor(run["losses"])                                     # seeds × steps
+        smooth = min(smooth, losses.shape[1])
+        avg = losses.unfold(1, smooth, 1).mean(-1)
+        steps = range(smooth, losses.shape[1] + 1)
+        line, = ax.plot(steps, avg.mean(0), label=name)
+        ax.fill_between(steps, avg.min(0).values, avg.max(0).values, color=line.get_color(), alpha=0.2)
+        held = torch.tensor([[v for _, v in curve] for curve in run["heldout"]])
+        at = [s for s, _ in run["heldout"][0]]
+        mean = held.mean(0)
+        bx.errorbar(at, mean, yerr=[mean - held.min(0).values, held.max(0).values - mean], marker="o",
+                    capsize=3, color=line.get_color(), label=name)
+    n = len(result["config"]["seeds"])
+    ax.set_title(f"training loss ({smooth}-step average; band: min–max over {n} seeds)", fontsize=9)
+    bx.set_title(f"held-out loss (mean; bars: min–max over {n} seeds)", fontsize=9)
+    for a in (ax, bx):
+        a.set_xlabel("step")
+        a.legend(fontsize=8)
+    ax.set_ylabel("cross-entropy (nats per character)")
+    fig.tight_layout()
+    return fig
+
 def activation_memory(lengths, curves: dict, device_bytes: float, device_name: str):
     """Lecture 5a: memory vs sequence length, log-log, one line per curve, a device-memory line."""
     fig, ax = plt.subplots(figsize=(6.6, 3.6))
