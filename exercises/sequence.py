@@ -4,12 +4,16 @@
     5a.2  shard_sequence, unshard_sequence      contiguous, zigzag and striped layouts
     5a.3  ring_attention_forward                Q stays, K/V travel the ring
     5a.4  seq_to_heads, heads_to_seq            the Ulysses all-to-all
+    5a.5  ring_attention_backward               K/V travel again; dK/dV accumulators travel home
 
 Given (not exercises): ``attention_block(q, k, v, causal=..)`` returns ``(out, lse)`` for one block
-of keys (the fused CPU kernel; ``attention_block_explicit`` is the same written out with matmuls),
+of keys (the fused CPU kernel; ``attention_block_explicit`` is the same written out with matmuls);
+``attention_block_backward(dout, q, k, v, out, lse, causal=..)`` returns one block's share of
+``(dq, dk, dv)`` given the rows' FINAL out and lse (``attention_block_backward_explicit``: written out);
+``block_plan(r, j, W, layout, causal, n)`` lists the rows of a block that are computed (empty: masked);
 and ``reference.comm`` for messages: ``comm.exchange([(t, dst)], [(buf, src)]).wait()`` posts a send
 and a receive together; ``comm.ring_peers(group)`` gives ``(next, prev)``; ``comm.all_to_all``.
-While 5a.3 is graded only point-to-point messages work, and in 5a.4 only the all-to-all.
+While 5a.3 and 5a.5 are graded only point-to-point messages work, and in 5a.4 only the all-to-all.
 Check your work with ``check("5a.1")`` in the notebook or ``python -m exercises.grade 5a.1``.
 """
 from __future__ import annotations
@@ -17,10 +21,12 @@ from __future__ import annotations
 import torch
 
 from reference import comm  # noqa: F401  (traced send/recv/exchange/all_to_all)
-from reference.sequence.blockwise import attention_block, attention_block_explicit  # noqa: F401  (given)
+from reference.sequence.blockwise import (attention_block, attention_block_backward,  # noqa: F401  (given)
+                                          attention_block_backward_explicit, attention_block_explicit)
+from reference.sequence.ring import block_plan  # noqa: F401  (given)
 
 __all__ = ["merge_attention", "shard_sequence", "unshard_sequence", "ring_attention_forward",
-           "seq_to_heads", "heads_to_seq"]
+           "seq_to_heads", "heads_to_seq", "ring_attention_backward"]
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -97,3 +103,43 @@ def heads_to_seq(x: torch.Tensor, group=None) -> torch.Tensor:
         'Exercise 5a.4 (heads_to_seq): Before: every rank has all H heads of its n = L/W tokens. After: every'
         ' rank has H/W heads of all L tokens. One all-to-all does it: slice w of what a rank sends goes to '
         'rank w. heads_to_seq is the mirror image. More help: hint("5a.4").')
+
+
+def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            out: torch.Tensor, lse: torch.Tensor, *, causal: bool = False,
+                            layout: str = "contiguous", group=None, kernel: str = "fused"
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ring attention, backward: this rank's (dq, dk, dv), given the forward's FINAL out and lse.
+
+    dout, q, out: (B, H, n, D) and lse: (B, H, n), this rank's n = S/W query rows in ``layout`` order
+    (out and lse as :func:`ring_attention_forward` returned them); k, v: (B, H_kv, n, D), this rank's
+    K/V.  Returns dq (B, H, n, D) and dk, dv (B, H_kv, n, D) in the inputs' dtypes: the rows of the
+    full attention's gradients that belong to this rank's tokens.  Every rank of ``group`` must call
+    it with the same shapes.
+
+    Per (query block, key block) the FlashAttention-2 backward (arXiv:2307.08691), with the row's
+    global lse and D, so that block shares simply add up (scale = 1/√D; ``attention_block_backward``
+    computes one block's share)::
+
+        P  = exp(scale·Q Kᵀ − lse)          this block's exact part of the softmax (lse over ALL keys)
+        D  = rowsum(dO ∘ O)                 O: the final output over all keys
+        dV_j += Pᵀ dO        dS = P ∘ (dO Vᵀ − D)        dQ += scale·dS K_j        dK_j += scale·dSᵀ Q
+
+    Q, dO, O, lse and dQ stay on their rank.  K/V travel the ring as in the forward; the dK/dV
+    accumulator of each block travels one step behind it, gathering every rank's share, and comes
+    home to the block's owner.  Rank 1's block on W = 4 (each arrow one hop, r → r+1)::
+
+        K1, V1     r1 ─▶ r2 ─▶ r3 ─▶ r0              K/V hops at steps 0, 1, 2            (what="kv")
+        dK1, dV1         r2 ─▶ r3 ─▶ r0 ─▶ r1        accumulator hops at steps 1, 2, 3    (what="dkv")
+                         +r2   +r3   +r0   +r1       each adds its share; r1's is its step-0 share,
+                         (starts from zeros)         kept aside until the accumulator comes home
+
+    Bytes sent per rank: (W−1)·2·n·H_kv·D·b for K/V, and as many again (at the accumulation dtype:
+    float32 for half precision) for dK/dV: twice the forward.  Blocks are planned as in the forward
+    (:func:`block_plan`: causal layouts skip masked blocks); compute events are traced with
+    ``what="attn_bwd"``, messages with ``phase="bwd"``.
+    """
+    raise NotImplementedError(
+        "Exercise 5a.5 (ring_attention_backward): Q, dO, O and lse stay on their rank; K/V go round the ring "
+        "again, as in your forward. A rank's share of dK/dV for a block belongs to the block's OWNER, not to "
+        "the rank that computed it: how does it get home? More help: hint(\"5a.5\").")

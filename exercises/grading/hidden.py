@@ -131,6 +131,21 @@ if "4.4" in EXERCISES:
         _pipeline._bubble_case(ctx, "interleaved_1f1b", 4, 4 * rng.randint(2, 5), 3)
 
 
+if "5a.5" in EXERCISES:
+    from .checks.sequence import ring_backward as _ring_backward
+
+    @hidden_check("5a.5", "GQA (fewer K/V heads) in float32, and float64 with scores ~ ±50: W, layout and shape "
+                  "drawn from the seed", timeout=_ring_backward.RANKS_TIMEOUT)
+    def _(ctx):
+        rng = random.Random(salted_seed(570))
+        case = _ring_backward.fresh_case(rng)
+        h_kv = rng.choice((1, 2))
+        case["H"] = h_kv * rng.choice((2, 3))
+        _ring_backward._fresh_run(ctx, case, 571, H_kv=h_kv, dtype=torch.float32, atol=1e-3, rtol=1e-4)
+        case = dict(_ring_backward.fresh_case(rng), causal=True)
+        _ring_backward._fresh_run(ctx, case, 575, q_scale=50.0)
+
+
 if "5c.2" in EXERCISES:
     from .checks.compose import grad_sync as _grad_sync
     from .checks.compose import step_bytes as _step_bytes

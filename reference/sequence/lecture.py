@@ -1,6 +1,6 @@
 """The lecture 5a notebook's runs (recorded for the student release, see ``reference.notebook.recorded``):
-the merge, the ring widget's runs, attention pairs per rank, the timeline, memory and bytes per
-rank, Ulysses' head limit and USP.  Their rank functions are in :mod:`.workers`.
+the merge, the ring widget's runs, attention pairs per rank, the ring backward's bytes, the
+timeline, memory and bytes per rank, Ulysses' head limit and USP.  Their rank functions are in :mod:`.workers`.
 """
 from __future__ import annotations
 
@@ -78,6 +78,20 @@ def pairs_per_rank(seq_len: int = 64, world_size: int = 4, world=None) -> dict:
     return out
 
 
+@recordable("05a.backward_bytes", needs=("5a.2", "5a.3", "5a.5"))
+def ring_backward_bytes(seq_len: int = 64, world_size: int = 4, heads: int = 4, heads_kv: int = 2,
+                        head_dim: int = 16, world=None) -> dict:
+    """Bytes each rank sends in one ring forward and the backward after it (zigzag, causal, float32),
+    measured from the trace: {"forward K/V", "backward K/V", "backward dK/dV": [bytes of rank r]}."""
+    with _world4(world) as w:
+        res = w.run(ring_timing_worker, seq_len, world_size, backward=True, heads=heads, heads_kv=heads_kv,
+                    head_dim=head_dim)
+    sends = res.trace.filter(op="send")
+    kinds = {"forward K/V": sends.filter(phase="fwd"), "backward K/V": sends.filter(phase="bwd", what="kv"),
+             "backward dK/dV": sends.filter(phase="bwd", what="dkv")}
+    return {name: [s.bytes_by_rank().get(r, 0) for r in range(world_size)] for name, s in kinds.items()}
+
+
 @recordable("05a.timeline", needs=("5a.2", "5a.3"))
 def ring_timeline(seq_len: int = 4096, world_size: int = 2, heads: int = 4, head_dim: int = 64, world=None) -> dict:
     """One timed ring forward (after a warm-up): its trace, for the overlap timeline."""
@@ -134,7 +148,7 @@ def ulysses_head_limit(heads: int = 6, world=None) -> dict:
     return {}
 
 
-@recordable("05a.usp", needs=("5a.2", "5a.3", "5a.4"))
+@recordable("05a.usp", needs=("5a.2", "5a.3", "5a.4", "5a.5"))
 def usp_check(seq_len: int = 32, world=None) -> dict:
     """USP (Ulysses 2 × ring 2, zigzag, causal, float64) against full attention; messages by kind."""
     from .blockwise import attention_block_explicit

@@ -28,12 +28,13 @@ with j the rank whose K/V is held and c the local length:
     striped      j ≤ r: causal        j > r: strictly causal = Q[1:] × K[:-1] causal
                  (token a·W+r sees a·W+j for j ≤ r, but only (a−1)·W+j and before for j > r)
 
-Backward (custom ``autograd.Function``).  The forward saves Q, K, V, the final out and lse.  The
-backward runs the ring again: K/V travel as before (``what="kv"``), and next to them travels an
-accumulator of dK/dV for the block being held; each rank adds its block's share (FlashAttention-2
-steps, see :func:`.blockwise.attention_block_backward_explicit`) and passes it on
-(``what="dkv"``, hops at steps 1 .. W−1).  After W−1 hops the accumulator of K_r arrives back at
-rank r, which adds its own step-0 share.  dQ stays local.
+Backward (:func:`ring_attention_backward`, behind a custom ``autograd.Function``).  The forward
+saves Q, K, V, the final out and lse.  The backward runs the ring again: K/V travel as before
+(``what="kv"``), and one step behind them travels an accumulator of dK/dV for the block being held;
+each rank adds its block's share (FlashAttention-2 steps, see
+:func:`.blockwise.attention_block_backward_explicit`) and passes it on (``what="dkv"``, hops at
+steps 1 .. W−1).  After W−1 hops the accumulator of K_r arrives back at rank r, which adds its own
+step-0 share.  dQ stays local.
 
 Bytes sent per rank (n = S/W local tokens, H_kv K/V heads, D head dim, b bytes per element):
 
@@ -60,8 +61,8 @@ from .. import comm, trace
 from .blockwise import block_kernels, causal_pairs, merge_attention
 from .layouts import check_layout, chunk_ids
 
-__all__ = ["ring_attention", "ring_attention_forward", "block_plan", "Piece", "tile_kind",
-           "check_attention_inputs"]
+__all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward", "block_plan", "Piece",
+           "tile_kind", "check_attention_inputs"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,28 +225,75 @@ def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 # Backward
 
 
-def _ring_backward(dout, q, k, v, out, lse, causal, layout, group, kernel):
-    """(dq, dk, dv) for this rank's shards; dK/dV accumulators travel the ring behind K/V."""
+def _check_backward_inputs(dout, out, lse, q) -> None:
+    """ValueError unless dout and out are shaped like q and lse like q without its last axis."""
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, torch.Tensor) or t.shape != q.shape:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {got}")
+    if not isinstance(lse, torch.Tensor) or lse.shape != q.shape[:-1]:
+        got = tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__
+        raise ValueError(f"lse must have shape {tuple(q.shape[:-1])} (q without head_dim), got {got}")
+
+
+def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            out: torch.Tensor, lse: torch.Tensor, *, causal: bool = False,
+                            layout: str = "contiguous", group=None, kernel: str = "fused"
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ring attention, backward: this rank's (dq, dk, dv), given the forward's FINAL out and lse.
+
+    dout, q, out: (B, H, n, D) and lse: (B, H, n), this rank's n = S/W query rows in ``layout`` order
+    (out and lse as :func:`ring_attention_forward` returned them); k, v: (B, H_kv, n, D), this rank's
+    K/V.  Returns dq (B, H, n, D) and dk, dv (B, H_kv, n, D) in the inputs' dtypes: the rows of the
+    full attention's gradients that belong to this rank's tokens.  Every rank of ``group`` must call
+    it with the same shapes.
+
+    Per (query block, key block) the FlashAttention-2 backward (arXiv:2307.08691), with the row's
+    global lse and D, so that block shares simply add up (scale = 1/√D; ``attention_block_backward``
+    computes one block's share)::
+
+        P  = exp(scale·Q Kᵀ − lse)          this block's exact part of the softmax (lse over ALL keys)
+        D  = rowsum(dO ∘ O)                 O: the final output over all keys
+        dV_j += Pᵀ dO        dS = P ∘ (dO Vᵀ − D)        dQ += scale·dS K_j        dK_j += scale·dSᵀ Q
+
+    Q, dO, O, lse and dQ stay on their rank.  K/V travel the ring as in the forward; the dK/dV
+    accumulator of each block travels one step behind it, gathering every rank's share, and comes
+    home to the block's owner.  Rank 1's block on W = 4 (each arrow one hop, r → r+1)::
+
+        K1, V1     r1 ─▶ r2 ─▶ r3 ─▶ r0              K/V hops at steps 0, 1, 2            (what="kv")
+        dK1, dV1         r2 ─▶ r3 ─▶ r0 ─▶ r1        accumulator hops at steps 1, 2, 3    (what="dkv")
+                         +r2   +r3   +r0   +r1       each adds its share; r1's is its step-0 share,
+                         (starts from zeros)         kept aside until the accumulator comes home
+
+    Bytes sent per rank: (W−1)·2·n·H_kv·D·b for K/V, and as many again (at the accumulation dtype:
+    float32 for half precision) for dK/dV: twice the forward.  Blocks are planned as in the forward
+    (:func:`block_plan`: causal layouts skip masked blocks); compute events are traced with
+    ``what="attn_bwd"``, messages with ``phase="bwd"``.
+    """
+    check_attention_inputs(q, k, v, layout, comm.world_size(group))
+    _check_backward_inputs(dout, out, lse, q)
     _, backward = block_kernels(kernel)
     W, r = comm.world_size(group), comm.rank(group)
     nxt, prv = comm.ring_peers(group)
-    n = q.shape[-2]
-    acc = _acc_dtype(q.dtype)
-    dout = dout.contiguous()
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk_own = dv_own = None
-    k_cur, v_cur, spare = k.contiguous(), v.contiguous(), None
-    dkv_hop, dkv_spare = None, None
+    n, acc = q.shape[-2], _acc_dtype(q.dtype)
+    dout, q, out, lse = dout.detach().contiguous(), q.detach(), out.detach(), lse.detach()
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)   # stays here: my queries against every block
+    dk_own = dv_own = None                                   # my queries' share of my own K/V (step 0)
+    k_cur, v_cur = k.detach().contiguous(), v.detach().contiguous()   # the K/V held (and sent on)
+    kv_spare = None                                          # the buffers the next K/V arrives in
+    dkv = dkv_spare = dkv_hop = None                         # the accumulator held, its spare, its hop
     for s in range(W):
-        j = (r - s) % W
-        hop = None
+        j = (r - s) % W                                      # whose K/V we hold now
+        # 1. post the hop that brings the next K/V (as in the forward)
+        kv_hop = None
         if s < W - 1:
-            if spare is None:
-                spare = (torch.empty_like(k_cur), torch.empty_like(v_cur))
-            hop = comm.exchange([(k_cur, nxt), (v_cur, nxt)], [(spare[0], prv), (spare[1], prv)],
-                                group=group, step=s, what="kv", phase="bwd", chunks=chunk_ids(j, W, layout),
-                                recv_meta={"chunks": chunk_ids((j - 1) % W, W, layout)})
-        share = None                                   # (k rows, dk, dv) of this step's block
+            if kv_spare is None:
+                kv_spare = (torch.empty_like(k_cur), torch.empty_like(v_cur))
+            kv_hop = comm.exchange([(k_cur, nxt), (v_cur, nxt)], [(kv_spare[0], prv), (kv_spare[1], prv)],
+                                   group=group, step=s, what="kv", phase="bwd", chunks=chunk_ids(j, W, layout),
+                                   recv_meta={"chunks": chunk_ids((j - 1) % W, W, layout)})
+        # 2. my queries against K_j, V_j: all of dQ's share, and my share of dK_j, dV_j
+        share = None                                         # (rows of K_j, dk, dv); None: block masked
         for p in block_plan(r, j, W, layout, causal, n):
             with trace.span("compute", step=s, what="attn_bwd", layout=layout, q_chunks=p.q_chunks,
                             k_chunks=p.k_chunks, tiles=p.tiles, pairs=p.pairs):
@@ -254,30 +302,31 @@ def _ring_backward(dout, q, k, v, out, lse, causal, layout, group, kernel):
                                             causal=p.causal)
                 dq[..., p.q, :] += dq_b
                 share = (p.k, dk_b, dv_b)
-        if s == 0:                                     # our own K/V (step 0 covers every row): keep it here
+        # 3. my own block (step 0, which covers every row) stays here; any other share joins the
+        #    travelling accumulator of K_j, V_j, which goes on to the next rank
+        if s == 0:
             dk_own, dv_own = share[1].to(acc), share[2].to(acc)
-        else:                                          # add to the travelling accumulator, pass it on
-            if s == 1:
-                dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
-                dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
-                dkv_spare = (torch.empty_like(dk_acc), torch.empty_like(dv_acc))
-            else:
-                received = dkv_spare
+        else:
+            if s == 1:                                       # the accumulator of K_{r-1} starts here
+                dkv = (torch.zeros(k.shape, dtype=acc, device=k.device),
+                       torch.zeros(v.shape, dtype=acc, device=v.device))
+                dkv_spare = (torch.empty_like(dkv[0]), torch.empty_like(dkv[1]))
+            else:                                            # ... the others arrive from rank r-1
                 dkv_hop.wait()
-                dkv_spare = (dk_acc, dv_acc)
-                dk_acc, dv_acc = received
+                dkv, dkv_spare = dkv_spare, dkv
             if share is not None:
-                dk_acc[..., share[0], :] += share[1]
-                dv_acc[..., share[0], :] += share[2]
-            dkv_hop = comm.exchange([(dk_acc, nxt), (dv_acc, nxt)], [(dkv_spare[0], prv), (dkv_spare[1], prv)],
+                dkv[0][..., share[0], :] += share[1]
+                dkv[1][..., share[0], :] += share[2]
+            dkv_hop = comm.exchange([(dkv[0], nxt), (dkv[1], nxt)], [(dkv_spare[0], prv), (dkv_spare[1], prv)],
                                     group=group, step=s, what="dkv", phase="bwd", chunks=chunk_ids(j, W, layout),
-                                recv_meta={"chunks": chunk_ids((j - 1) % W, W, layout)})
-        if hop is not None:
-            hop.wait()
-            received = spare
-            spare = None if s == 0 else (k_cur, v_cur)
+                                    recv_meta={"chunks": chunk_ids((j - 1) % W, W, layout)})
+        # 4. the next K/V has arrived
+        if kv_hop is not None:
+            kv_hop.wait()
+            received = kv_spare
+            kv_spare = None if s == 0 else (k_cur, v_cur)    # never receive into the caller's k, v
             k_cur, v_cur = received
-    if dkv_hop is not None:                            # the accumulator of our own K/V came home
+    if dkv_hop is not None:                                  # the accumulator of my own K/V came home
         dkv_hop.wait()
         dk_own += dkv_spare[0]
         dv_own += dkv_spare[1]
@@ -296,7 +345,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.args)
+        causal, layout, group, kernel = ctx.args
+        dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, causal=causal, layout=layout, group=group,
+                                             kernel=kernel)
         return dq, dk, dv, None, None, None, None
 
 

@@ -1,7 +1,8 @@
-"""Lecture 5a's harness: rank functions around the learner's 5a.2–5a.4 (the ring's kernel calls are
+"""Lecture 5a's harness: rank functions around the learner's 5a.2–5a.5 (the rings' kernel calls are
 counted here, by grader code, as feedback)."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 from typing import Any
@@ -44,48 +45,76 @@ def unshard_harness(module: str, cases: list[tuple]) -> list[Any]:
 
 
 class _Counter:
-    """Counts the attention-kernel calls a rank makes (grader-side instrumentation in the rank)."""
+    """Counts the attention-kernel calls a rank makes (grader-side instrumentation in the rank).
 
-    def __init__(self):
+    ``first``: where q is among the kernel's arguments (0 for the forward kernels, 1 for the
+    backward ones, which take dout first); q, k are the two arguments from there."""
+
+    def __init__(self, first: int = 0):
         self.calls: list[list[int]] = []
         self.depth = 0
+        self.first = first
 
     def wrap(self, fn):
-        def counted(q, k, v, *args, **kwargs):
-            if self.depth == 0:
+        def counted(*args, **kwargs):
+            named = {**dict(zip(("dout", "q", "k")[1 - self.first:], args)), **kwargs}
+            q, k = named.get("q"), named.get("k")
+            if self.depth == 0 and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor):
                 self.calls.append([int(q.shape[-2]), int(k.shape[-2]), int(bool(kwargs.get("causal", False)))])
             self.depth += 1
             try:
-                return fn(q, k, v, *args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
                 self.depth -= 1
         return counted
+
+
+@contextlib.contextmanager
+def _counting(mod, names: tuple[str, ...], counter: _Counter):
+    """Within: the kernels ``names`` of the learner's module and of the given blockwise module count
+    their calls into ``counter``; put back afterwards."""
+    from reference.sequence import blockwise
+    patched = []
+    for owner in {id(mod): mod, id(blockwise): blockwise}.values():
+        for name in names:
+            if hasattr(owner, name):
+                patched.append((owner, name, getattr(owner, name)))
+                setattr(owner, name, counter.wrap(getattr(owner, name)))
+    try:
+        yield counter
+    finally:
+        for owner, name, fn in reversed(patched):
+            setattr(owner, name, fn)
 
 
 def ring_harness(module: str, shards: list[tuple], causal: bool, layout: str) -> dict[str, Any]:
     """On each rank: the learner's ring_attention_forward on its shard; also the kernel calls it made."""
     import torch.distributed as dist
 
-    from reference.sequence import blockwise
-
     r = dist.get_rank()
     mod = importlib.import_module(module)
     q, k, v = shards[r]
-    counter = _Counter()
-    patched = []
-    for owner in {id(mod): mod, id(blockwise): blockwise}.values():
-        for name in ("attention_block", "attention_block_explicit"):
-            if hasattr(owner, name):
-                patched.append((owner, name, getattr(owner, name)))
-                setattr(owner, name, counter.wrap(getattr(owner, name)))
-    try:
+    with _counting(mod, ("attention_block", "attention_block_explicit"), _Counter()) as counter:
         res = mod.ring_attention_forward(q, k, v, causal=causal, layout=layout)
-    finally:
-        for owner, name, fn in reversed(patched):
-            setattr(owner, name, fn)
     if not isinstance(res, (tuple, list)) or len(res) != 2:
         return {"bad_return": type(res).__name__}
     return {"out": res[0], "lse": res[1], "calls": counter.calls}
+
+
+def ring_backward_harness(module: str, shards: list[tuple], causal: bool, layout: str) -> dict[str, Any]:
+    """On each rank: the learner's ring_attention_backward on its shard ``(dout, q, k, v, out, lse)``
+    (out and lse: the grader's float64 truth, in the inputs' dtype); also the block-backward calls."""
+    import torch.distributed as dist
+
+    r = dist.get_rank()
+    mod = importlib.import_module(module)
+    dout, q, k, v, out, lse = shards[r]
+    names = ("attention_block_backward", "attention_block_backward_explicit")
+    with _counting(mod, names, _Counter(first=1)) as counter:
+        res = mod.ring_attention_backward(dout, q, k, v, out, lse, causal=causal, layout=layout)
+    if not isinstance(res, (tuple, list)) or len(res) != 3:
+        return {"bad_return": type(res).__name__}
+    return {"dq": res[0], "dk": res[1], "dv": res[2], "calls": counter.calls}
 
 
 def ulysses_harness(module: str, seq_shards: list[torch.Tensor], head_shards: list[torch.Tensor]) -> dict:
