@@ -29,7 +29,7 @@ from .trace import span
 __all__ = ["rank", "world_size", "ring_peers", "send", "recv", "exchange", "Pending", "all_reduce",
            "all_reduce_coalesced", "all_gather", "reduce_scatter", "all_reduce_async", "PendingCollective",
            "reduce_scatter_tensor", "all_gather_into_tensor", "ring_bytes", "all_to_all_single", "all_to_all",
-           "all_to_all_autograd", "broadcast", "barrier", "new_group", "nbytes"]
+           "all_to_all_autograd", "broadcast", "barrier", "new_group", "release_groups", "nbytes"]
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -65,14 +65,40 @@ def ring_peers(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     return global_rank(group, (r + 1) % w), global_rank(group, (r - 1) % w)
 
 
+# Groups are recycled across the tasks of a kept-alive rank (reference.launch.World runs many functions in
+# the same processes).  Each gloo group keeps a thread that wakes up periodically: a test session that made
+# fresh groups for every run ended with hundreds per rank and a whole core of 2 spent waking them.  Within one
+# task every request still gets a group of its own, as dist.new_group gives; release_groups() (the rank
+# program calls it after each task) makes them reusable.  Every rank makes the same requests in the same
+# order, so all of them reuse, or all create, together.
+_POOL: dict[tuple, list] = {}          # (ranks, timeout) -> the groups made for it
+_TAKEN: dict[tuple, int] = {}          # how many of them this task holds
+_POOL_WORLD: list = [None]             # the default group the pool belongs to (a new world: a new pool)
+
+
 def new_group(ranks: Sequence[int], timeout: float | None = None) -> dist.ProcessGroup:
     """``dist.new_group`` with an explicit timeout (never torch's 30-minute default).
 
-    Every rank of the world must call it, for every group, in the same order.
+    Every rank of the world must call it, for every group, in the same order.  A group made in an
+    earlier task of this process, with the same ranks and timeout, is handed out again (see above).
     """
     if timeout is None:
         timeout = _default_timeout()
-    return dist.new_group(list(ranks), timeout=timedelta(seconds=timeout))
+    if _POOL_WORLD[0] is not dist.group.WORLD:
+        _POOL.clear()
+        _TAKEN.clear()
+        _POOL_WORLD[0] = dist.group.WORLD
+    key = (tuple(ranks), float(timeout))
+    pool, taken = _POOL.setdefault(key, []), _TAKEN.get(key, 0)
+    if taken == len(pool):
+        pool.append(dist.new_group(list(ranks), timeout=timedelta(seconds=timeout)))
+    _TAKEN[key] = taken + 1
+    return pool[taken]
+
+
+def release_groups() -> None:
+    """The task is over: the groups it took from :func:`new_group` may serve the next one."""
+    _TAKEN.clear()
 
 
 _FIRST_RANKS: dict[int, dist.ProcessGroup] = {}

@@ -267,6 +267,7 @@ def _rank_main(rank: int, fd: int, cfg: dict) -> None:
         return
     fwd.sync()
     link.send(("ready",))
+    from . import comm as _comm                 # (imports torch: after the rank reported its own start)
 
     while True:
         try:
@@ -278,6 +279,7 @@ def _rank_main(rank: int, fd: int, cfg: dict) -> None:
         _, fn, payload, record, main_path = msg
         if record:
             _trace.start(rank)
+        _comm.release_groups()                  # the last task's groups may serve this one (reference.comm)
         try:
             _load_main(main_path)
             fn = pickle.loads(fn)
