@@ -8,14 +8,20 @@
 
 α is one message step's latency and β the bandwidth one device achieves on the link the rank grid puts
 the group on: ``intra_bw · intra_efficiency`` inside a node, ``inter_bw · inter_efficiency`` across
-(:mod:`.hardware` cites both).  Latency is what makes many small messages expensive: p·v·m pipeline
-sends per step, or ZeRO-3's per-layer gathers over thousands of ranks.
+(:mod:`.hardware` cites both).  Where the cluster carries a measured sweep of all-reduce sizes inside a
+node (``intra_busbw``, nccl-tests' bus bandwidth), a collective there takes steps/p · n / busbw(n), busbw
+interpolated log-log at its size: a 64 MB all-reduce on an A100 node moves at 172 GB/s, not the 235 of a
+16 GiB one — α + n/β with one β is too fast between a few MB and a few hundred.  Latency is what makes
+many small messages expensive: p·v·m pipeline sends per step, or ZeRO-3's per-layer gathers over
+thousands of ranks.
 """
 from __future__ import annotations
 
+import math
+
 from .model import Cluster
 
-__all__ = ["KINDS", "link_bandwidth", "link_latency", "collective_time"]
+__all__ = ["KINDS", "link_bandwidth", "link_latency", "collective_time", "measured_busbw"]
 
 KINDS = ("p2p", "all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -42,4 +48,18 @@ def collective_time(kind: str, nbytes: float, p: int, cluster: Cluster, link: st
     if kind == "p2p":
         return alpha + nbytes / beta
     steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
+    if link == "intra" and cluster.intra_busbw:
+        return steps / p * nbytes / measured_busbw(cluster.intra_busbw, nbytes)
     return steps * alpha + steps / p * nbytes / beta
+
+
+def measured_busbw(sweep: tuple, nbytes: float) -> float:
+    """The bus bandwidth of a measured sweep ((bytes, busbw), ... ascending) at ``nbytes``: log-log
+    interpolation between the two sizes around it, the end rows beyond them."""
+    if nbytes <= sweep[0][0]:
+        return sweep[0][1] * nbytes / sweep[0][0]        # below the sweep: latency-bound, time ≈ constant
+    for (s0, b0), (s1, b1) in zip(sweep, sweep[1:]):
+        if nbytes <= s1:
+            w = math.log(nbytes / s0) / math.log(s1 / s0)
+            return math.exp((1 - w) * math.log(b0) + w * math.log(b1))
+    return sweep[-1][1]
