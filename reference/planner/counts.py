@@ -64,7 +64,9 @@ def _stage_params(model: Model, t: int, e: int, n_layers: int, n_moe: int, first
     replicated = n_layers * (2 * model.norm_params + out_bias) + (n_layers - n_moe) * out_bias \
         + n_moe * h * model.num_experts                       # norms, proj/fc2 biases, router
     vocab_rows = padded_vocab(model, t) // t * h
-    embed = vocab_rows * (first + last) if (first != last or not model.tied_embeddings) else vocab_rows
+    # the word embedding (first) and the head (last): one table when tied and both on this device, none
+    # on a middle stage
+    embed = vocab_rows * (first + last) if (first != last or not model.tied_embeddings) else vocab_rows * first
     if first and model.learned_positions:
         replicated += model.seq_len * h
     if last and model.final_norm:

@@ -8,6 +8,7 @@ links; two benchmark figures say how close to the datasheet real kernels get:
     gemm_ceiling      the Maximum Achievable Matmul FLOPS (MAMF) of a brute-force shape search, over the
                       datasheet peak: what the best-shaped large GEMM reaches on that device
     intra/inter_efficiency   a large all-reduce's bus bandwidth over the link's one-way bandwidth
+    memory_efficiency a streaming kernel's bandwidth over the datasheet's
     alpha             one message step's latency: the time of a tiny all-reduce / its 2(n−1) ring steps
 
 These are properties of the device and its network, measured by GEMM and NCCL benchmarks — never
@@ -31,6 +32,9 @@ Sources (cited per figure below):
              43.83 µs, 16 GiB at 234.89 GB/s bus bandwidth (78 % of NVLink 3's 300 GB/s one way); an
              H200 node (NVLink 4, as H100) rings at 367.61 GB/s (82 % of 450); a 4-node H200 all-reduce
              moves ~37 of 50 GB/s per NIC (74 %); 32 KiB takes 40 µs (1.44 GB/s bus bandwidth).
+    [HBM]    NVIDIA Developer Forums, "Trouble to Reach Peak Bandwidth of A100" (A100 80GB SXM): a read
+             kernel reaches 1.80 TB/s of the datasheet's 2.04, 88 % by Nsight Compute; the thread quotes a
+             GTC talk in which no kernel exceeded ~90 %.
     [FA2]    Dao, FlashAttention-2, arXiv:2307.08691, abstract: "reaching 50-73% of the theoretical
              maximum FLOPs/s on A100".  [FA3] Shah et al., FlashAttention-3, arXiv:2407.08608, abstract:
              "up to 740 TFLOPs/s (75% utilization)" in FP16 on H100.
@@ -43,12 +47,18 @@ GB = 1e9
 
 _RING_STEPS_8 = 2 * (8 - 1)          # a ring all-reduce over one node's 8 GPUs takes 2(n−1) = 14 steps
 
+# [NCCL] nccl-tests all_reduce_perf on one 8 × A100 node (-b 32k -e 16G -f 2): (bytes, bus bandwidth B/s)
+_A100_NODE_SWEEP = tuple((2 ** (15 + i), gb * 1e9) for i, gb in enumerate((
+    1.31, 2.45, 4.43, 7.47, 11.41, 18.00, 36.18, 72.33, 109.93, 106.16, 138.49, 171.54, 176.92, 194.07, 222.72,
+    229.04, 231.41, 233.88, 234.61, 234.89)))
+
 PRESETS: dict[str, dict] = {
     "a100-80gb-sxm": dict(
         memory=80 * GB,                       # [A100] 80 GB HBM2e
         flops=312e12,                         # [A100] dense BF16/FP16 tensor core
         hbm_bw=2039e9,                        # [A100] 2,039 GB/s
         sms=108,                              # [A100-WP]
+        memory_efficiency=1.80 / 2.04,        # [HBM] a streaming kernel reaches 1.80 of 2.04 TB/s (88 %)
         intra_bw=300e9,                       # [A100] NVLink 600 GB/s both ways = 300 GB/s one way
         inter_bw=25e9,                        # [SELENE] one 200 Gb/s HDR HCA per GPU = 25 GB/s
         devices_per_node=8,                   # [SELENE]
@@ -56,6 +66,7 @@ PRESETS: dict[str, dict] = {
         attention_ceiling=0.6,                # ASSUMED: inside [FA2]'s 50–73 % (forward near the top,
         #                                       backward near the bottom), as one number for both passes
         intra_efficiency=234.89 / 300,        # [NCCL] A100 node, 16 GiB all-reduce
+        intra_busbw=_A100_NODE_SWEEP,         # [NCCL] the whole sweep, 32 KiB … 16 GiB
         inter_efficiency=0.74,                # [NCCL] 4-node all-reduce per NIC (measured on H200/EFA;
         #                                       ASSUMED to carry over to HDR InfiniBand)
         alpha_intra=43.83e-6 / _RING_STEPS_8,  # [NCCL] 32 KiB all-reduce on 8 A100s / 14 ring steps
@@ -70,6 +81,7 @@ PRESETS: dict[str, dict] = {
         flops=989e12,                         # [H100] dense BF16 (1,979 is with sparsity)
         hbm_bw=3.35e12,                       # [H100] 3.35 TB/s
         sms=132,                              # [H100] SXM5
+        memory_efficiency=1.80 / 2.04,        # ASSUMED: A100's measured fraction [HBM] (HBM3 on H100)
         intra_bw=450e9,                       # [H100] NVLink 900 GB/s both ways = 450 GB/s one way
         inter_bw=50e9,                        # [DGXH100] 400 Gb/s per GPU
         devices_per_node=8,                   # [DGXH100]

@@ -4,7 +4,9 @@ memory-bound element-wise work of a transformer layer.
 A GEMM C[M×N] = A[M×K]·B[K×N] does 2·M·N·K FLOPs and moves at least e·(M·K + K·N + M·N) bytes.  Its
 time is the larger of the two roofline bounds (Williams et al., "Roofline", CACM 2009):
 
-    t = max( 2MNK / (peak · η(M, N)),  e·(MK + KN + MN) / hbm_bw )
+    t = max( 2MNK / (peak · η(M, N)),  e·(MK + KN + MN) / (hbm_bw · μ) )
+
+μ is the fraction of the datasheet memory bandwidth a streaming kernel reaches (``memory_efficiency``).
 
 η is the fraction of peak the kernel reaches.  Two effects of NVIDIA's "Matrix Multiplication
 Background User's Guide" (§3 Dimension Quantization Effects) and one benchmark figure set it:
@@ -23,7 +25,7 @@ with flash attention, 4·s_q·s_k·d FLOPs per head forward (half of them skippe
 backward (FlashAttention-2 recomputes QKᵀ), at the device's ``attention_ceiling``.
 
 Element-wise work (norms, bias + GeLU, bias + dropout + residual, as Megatron fuses them) moves bytes
-and does no tensor-core math: its time is bytes / hbm_bw.  Every count is per device, per micro-batch.
+and does no tensor-core math: its time is bytes / (hbm_bw · μ).  Every count is per device, per micro-batch.
 """
 from __future__ import annotations
 
@@ -54,12 +56,12 @@ def gemm_time(m: float, n: float, k: float, cluster: Cluster, *, batch: int = 1,
         return 0.0
     flops = 2 * m * n * k * batch
     bytes_ = elem * (m * k + k * n + m * n) * batch
-    return max(flops / (cluster.flops * gemm_efficiency(m, n, cluster, batch)), bytes_ / cluster.hbm_bw)
+    return max(flops / (cluster.flops * gemm_efficiency(m, n, cluster, batch)), memory_time(bytes_, cluster))
 
 
 def memory_time(nbytes: float, cluster: Cluster) -> float:
-    """Seconds to stream ``nbytes`` through device memory (a memory-bound kernel)."""
-    return nbytes / cluster.hbm_bw
+    """Seconds to stream ``nbytes`` through device memory (a memory-bound kernel): nbytes / (hbm_bw · μ)."""
+    return nbytes / (cluster.hbm_bw * cluster.memory_efficiency)
 
 
 def layer_gemms(model: Model, tokens: float, tp: int, *, moe: bool = False) -> list[tuple[float, float, float]]:

@@ -80,6 +80,7 @@ class Cluster:
     source: str = ""
     # --- the device's figures for the first-principles time model (0: not given; see .hardware)
     hbm_bw: float = 0.0             # bytes/s of device memory (the roofline's slope)
+    memory_efficiency: float = 1.0  # achieved / datasheet bandwidth of a streaming (memory-bound) kernel
     sms: int = 0                    # streaming multiprocessors: one GEMM tile each per wave
     gemm_ceiling: float = 0.0       # fraction of peak the best-shaped large GEMM reaches (a GEMM benchmark)
     attention_ceiling: float = 0.0  # fraction of peak a flash-attention kernel reaches
@@ -87,6 +88,9 @@ class Cluster:
     inter_efficiency: float = 1.0   # the same across nodes
     alpha_intra: float = 0.0        # seconds per message step inside a node (latency)
     alpha_inter: float = 0.0        # seconds per message step across nodes
+    intra_busbw: tuple = ()         # ((bytes, bus bandwidth), ...): a measured all-reduce sweep inside a node;
+    #                                 given, a collective inside a node moves at the sweep's bus bandwidth for
+    #                                 its size (latency included) instead of α + bytes/β
     memory_margin: float = 0.0      # bytes per device kept free: CUDA context, NCCL buffers, fragmentation
 
     @property
@@ -129,6 +133,9 @@ class Composition:
     dp_overlap: bool = True         # gradient buckets reduced during the backward (torch DDP); False: after it
     #                                 (Megatron's local DDP, Narayanan Table 1 runs with pp > 1)
     fsdp_prefetch: bool = True      # ZeRO-3: gather the next layer's parameters during this layer's compute
+    prefetch_limit: float | None = None  # ZeRO-3: at most this many parameter elements gathered ahead of use
+    #                                 (DeepSpeed's stage3_prefetch_bucket_size, 5e7 by default); None: the whole
+    #                                 next layer (FSDP's one-layer prefetch)
     tp_overlap: bool = False        # tp collectives hidden behind GEMMs (TransformerEngine); default exposed
     cp_algorithm: str = "ring"      # "ring" (K/V passed, overlapped) | "allgather" (K/V gathered, exposed) |
     #                                 "ulysses" (all-to-all of heads, exposed)

@@ -5,6 +5,8 @@ One layer, one micro-batch, one device (T = s·b/c tokens, weights cut over t)::
 
     F  = Σ GEMM(M, N, K) + attention core + element-wise bytes / hbm_bw           forward
     B  = Σ [GEMM(M, K, N) + GEMM(K, N, M)] + attention core' + 2 × element-wise     backward (dgrad + wgrad)
+         + (m−1)/m · 3·grad_bytes·params / (hbm_bw · μ)        the weight gradients added into .grad, as
+         autograd accumulates them over the m micro-batches (Megatron 2021: no fused accumulation)
     R  = F (full recomputation) | attention core forward (selective) | 0            recomputation
     tp = 2 collectives of T·h·e forward, 2 backward, 2 more when recomputing fully — exposed unless
          ``tp_overlap`` (Megatron 2021: all-reduces in the critical path; with SP all-gather + reduce-scatter)
@@ -13,8 +15,9 @@ One layer, one micro-batch, one device (T = s·b/c tokens, weights cut over t)::
          exposed; Ulysses: 4 all-to-alls of q, k, v, out each way, exposed
     ep = 2 all-to-alls forward, 2 backward per MoE layer, exposed
     ZeRO-3 = a layer's parameters gathered before its forward and its backward, its gradients
-         reduce-scattered after: with ``fsdp_prefetch`` hidden behind the previous layer's compute
-         (exposed: what exceeds it), without it in the critical path
+         reduce-scattered after: with ``fsdp_prefetch`` the share fetched ahead (all of the next layer, or
+         ``prefetch_limit`` elements of it) hides behind the previous layer's compute (exposed: what exceeds
+         it) and the rest waits in the critical path; without it every gather waits
 
 A device runs its chunks (:func:`.layout.device_chunks`); per micro-batch it spends
 T_k = Σ chunks (F + B + R + exposed) + its pipeline sends (α + bytes/β each: one forward and one
@@ -118,17 +121,27 @@ def layer_time(model: Model, cluster: Cluster, comp: Composition, links: dict[st
                                  links["edp" if moe else "dp"])
         scatter = collective_time("reduce_scatter", (dense + experts) * model.grad_bytes, n_dp, cluster,
                                   links["edp" if moe else "dp"])
-        if comp.fsdp_prefetch:
-            out["zero3"] = max(0.0, gather - F) + max(0.0, gather + scatter - B - R)
-        else:
-            out["zero3"] = 2 * gather + scatter
+        # the share of a layer's gather issued ahead of use hides behind the compute before it; the rest
+        # waits in the critical path (the reduce-scatter is posted after the layer's backward and overlaps)
+        layer = dense + experts
+        ahead = 0.0 if not comp.fsdp_prefetch else (1.0 if comp.prefetch_limit is None
+                                                    else min(1.0, comp.prefetch_limit / layer))
+        out["zero3"] = (2 * (1 - ahead) * gather + max(0.0, ahead * gather - F)
+                        + max(0.0, ahead * gather + scatter - B - R))
     return out
 
 
-def _chunk_time(model, cluster, comp, links, b, n_layers, n_moe, first, last) -> tuple[float, float, dict]:
-    """(kernel seconds, backward-and-recompute seconds, exposed by axis) of one chunk, one micro-batch."""
+def _chunk_time(model, cluster, comp, links, b, n_layers, n_moe, first, last, accumulate=0.0
+                ) -> tuple[float, float, dict]:
+    """(kernel seconds, backward-and-recompute seconds, exposed by axis) of one chunk, one micro-batch.
+    ``accumulate``: the share of micro-batches whose weight gradients are added into ``.grad`` (m−1 of m)."""
     exposed = dict(tp=0.0, cp=0.0, ep=0.0, zero3=0.0)
     kernels, backward = 0.0, 0.0
+    if accumulate:      # .grad += this micro-batch's gradient: read both, write one (grad_bytes each)
+        dense, experts, _ = _stage_params(model, comp.tp, comp.ep, n_layers, n_moe, first, last)
+        add = accumulate * memory_time(3 * model.grad_bytes * (dense + experts), cluster)
+        kernels += add
+        backward += add
     for count, moe in ((n_layers - n_moe, False), (n_moe, True)):
         if count:
             lt = layer_time(model, cluster, comp, links, b, moe=moe)
@@ -178,7 +191,7 @@ def step_time(model: Model, cluster: Cluster, comp: Composition, links: dict[str
         for ch in device_chunks(comp, k):
             key = (*chunks[ch], ch == 0, ch == n_chunks - 1)
             if key not in cache:
-                cache[key] = _chunk_time(model, cluster, comp, links, b, *key)
+                cache[key] = _chunk_time(model, cluster, comp, links, b, *key, accumulate=(m - 1) / m)
             kc, bc, ec = cache[key]
             kern += kc
             back += bc
