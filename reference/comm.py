@@ -29,7 +29,7 @@ from .trace import span
 __all__ = ["rank", "world_size", "ring_peers", "send", "recv", "exchange", "Pending", "all_reduce",
            "all_reduce_coalesced", "all_gather", "reduce_scatter", "all_reduce_async", "PendingCollective",
            "reduce_scatter_tensor", "all_gather_into_tensor", "ring_bytes", "all_to_all_single", "all_to_all",
-           "all_to_all_autograd", "broadcast", "barrier", "new_group", "release_groups", "nbytes"]
+           "all_to_all_autograd", "broadcast", "barrier", "new_group", "release_groups", "forget_groups", "nbytes"]
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -100,6 +100,16 @@ def new_group(ranks: Sequence[int], timeout: float | None = None) -> dist.Proces
 def release_groups() -> None:
     """The task is over: the groups it took from :func:`new_group` may serve the next one."""
     _taken.clear()
+
+
+def forget_groups() -> None:
+    """The world is about to be destroyed: drop the pooled groups, so that each gloo group is torn down
+    with it (its threads joined) rather than by the interpreter's exit, where a group still alive aborts
+    the process ("terminate called without an active exception")."""
+    _pool.clear()
+    _taken.clear()
+    _FIRST_RANKS.clear()
+    _pool_world[0] = None
 
 
 _FIRST_RANKS: dict[int, dist.ProcessGroup] = {}

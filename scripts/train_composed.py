@@ -212,6 +212,7 @@ def main(argv=None) -> None:
             print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
+        comm.forget_groups()
         dist.destroy_process_group()
 
 
