@@ -28,8 +28,9 @@ from .trace import span
 
 __all__ = ["rank", "world_size", "ring_peers", "send", "recv", "exchange", "Pending", "all_reduce",
            "all_reduce_coalesced", "all_gather", "reduce_scatter", "all_reduce_async", "PendingCollective",
-           "reduce_scatter_tensor", "all_gather_into_tensor", "ring_bytes", "all_to_all_single", "all_to_all",
-           "all_to_all_autograd", "broadcast", "barrier", "new_group", "release_groups", "forget_groups", "nbytes"]
+           "reduce_scatter_tensor", "reduce_scatter_tensor_async", "all_gather_into_tensor", "ring_bytes",
+           "all_to_all_single", "all_to_all", "all_to_all_autograd", "broadcast", "barrier", "new_group",
+           "release_groups", "forget_groups", "nbytes"]
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -390,6 +391,22 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=dist.Red
         else:
             output.copy_(input)
     return output
+
+
+def reduce_scatter_tensor_async(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, *, group=None,
+                                step: int | None = None, **meta: Any) -> PendingCollective:
+    """Post :func:`reduce_scatter_tensor` and return at once; ``.wait()`` returns ``output`` (traced)."""
+    import time
+    meta.setdefault("ring_bytes", ring_bytes("reduce_scatter", nbytes(input), world_size(group)))
+    t_post = time.perf_counter()
+    work = None
+    if dist.is_initialized():
+        with trace.quiet():
+            work = (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+                output, input.contiguous(), op=op, group=group, async_op=True)
+    else:
+        output.copy_(input)
+    return PendingCollective(work, output, "reduce_scatter", nbytes(input), step, meta, t_post)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=None, step: int | None = None,

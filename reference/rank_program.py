@@ -27,6 +27,7 @@ from . import trace as _trace
 START_TIMEOUT = 120.0       # seconds ranks may take to import torch and rendezvous
 
 STATUS_BYTES = 240          # the status line a rank shares with its parent
+STATUS_PERIOD = 0.1         # seconds between two sends of a changed status line
 
 
 class _Link:
@@ -102,19 +103,29 @@ def _die_with_parent(use_pdeathsig: bool) -> None:
 
 
 class _Status:
-    """What this rank is blocked in right now; every change is sent to the parent at once."""
+    """What this rank is blocked in right now.  Setting it only stores the line: every collective
+    and compute block sets it twice, and a message per change (a pickle, a write, and the parent
+    woken to read it — on 2 cores, a context switch away from a rank) cost a composed step ~30 of
+    them.  A daemon thread sends the line to the parent when it changed, every ``STATUS_PERIOD``
+    seconds: a timeout report, seconds later, quotes what the rank has been blocked in since."""
 
     def __init__(self, link: _Link):
-        self.link, self.value = link, ""
+        self.link, self.value, self._sent = link, "", ""
+        threading.Thread(target=self._publish, name="status", daemon=True).start()
 
     def set(self, text: str) -> None:
-        text = text[:STATUS_BYTES]
-        if text != self.value:
-            self.value = text
-            try:
-                self.link.send(("status", text))
-            except Exception:
-                pass
+        self.value = text[:STATUS_BYTES]
+
+    def _publish(self) -> None:
+        while True:
+            time.sleep(STATUS_PERIOD)
+            text = self.value
+            if text != self._sent:
+                try:
+                    self.link.send(("status", text))
+                    self._sent = text
+                except Exception:
+                    pass
 
 
 def _install_status_wrappers(status: _Status) -> None:

@@ -100,13 +100,14 @@ def composed_runs(steps: int = 8, num_microbatches: int = 2, batch_size: int = 4
 def overlap_timeline(trace, rank: int = 0) -> dict:
     """The last step of ``rank`` in a composed run's trace, in ms from its first gradient: "ready"
     (when each gradient's last accumulation happened, by bucket), "buckets" ((posted, done) of each
-    bucket's dp_cp all-reduce), "backward_end" (the last gradient ready) and "hidden" (the fraction
-    of the all-reduces' time before backward ended).  A step ends with its loss all-reduce
+    bucket's dp_cp all-reduce, or ZeRO's reduce-scatter), "backward_end" (the last gradient ready) and
+    "hidden" (the fraction of the all-reduces' time before backward ended).  A step ends with its loss all-reduce
     (``what="loss"``): the last step is what follows the one but last."""
     ends = sorted(e.end for e in trace.filter("all_reduce", rank=rank, what="loss"))
     since = ends[-2] if len(ends) > 1 else float("-inf")
     ready = [e for e in trace.filter("grad_ready", rank=rank) if e.start > since]
-    ars = [e for e in trace.filter("all_reduce", rank=rank, what="grads") if e.start > since]
+    ars = [e for op in ("all_reduce", "reduce_scatter")                  # ZeRO-2's buckets are reduce-scatters
+           for e in trace.filter(op, rank=rank, what="grads") if e.start > since]
     if not ready:
         return {"ready": [], "buckets": [], "backward_end": 0.0, "hidden": 0.0}
     t0 = min(e.start for e in ready)

@@ -25,6 +25,10 @@ during the cool-down.  ZB-H1's weight passes accumulate with ``autograd.backward
 hook fires there too.)  Anything not yet posted when backward ends is posted by ``finish``, so
 every rank issues the same all-reduces in the same order (grad_ready posts strictly in bucket order).
 
+ZeRO (.zero): the same hooks, armed with ``zero=`` lecture 3's :class:`reference.data.zero.ShardBuckets`,
+hand each complete dense gradient (the sequence-parallel copies after their tp sum) to ZeRO's buckets,
+whose reduce-scatters (stage 2; stage 1: all-reduces) then fly during backward; the ZeRO step waits.
+
 Bytes: the same as one all-reduce of the concatenation (ring bytes add up: 2(n−1)/n per element;
 exactly, when n divides the bucket's bytes·2(n−1)), in several messages; the trace calls them
 ``what="grads"``, the axis dp_cp (.train.axis_of), each with its ``bucket``.
@@ -42,37 +46,52 @@ __all__ = ["OverlappedGradSync", "overlapped_sync", "sync_the_rest"]
 
 
 class OverlappedGradSync:
-    """Hooks on the dense, non-sequence-parallel parameters of a :class:`.parallel_gpt.ParallelGPT`:
-    ``arm(m)`` before a step's backward(s), ``finish()`` after — then every such ``.grad`` is the mean
-    over dp_cp.  Unarmed (ZeRO steps, evaluation), the hooks do nothing."""
+    """Hooks on the dense parameters of a :class:`.parallel_gpt.ParallelGPT`: ``arm(m)`` before a step's
+    backward(s), ``finish()`` after — then every dense, non-sequence-parallel ``.grad`` is the mean over
+    dp_cp.  ``arm(m, zero=buckets)`` (a ZeRO step, :class:`reference.data.zero.ShardBuckets`): the
+    same hooks hand each complete gradient to ZeRO's buckets instead, whose reduce-scatters (stage 2)
+    or all-reduces (stage 1) then fly during backward; the ZeRO step finishes them.  Unarmed
+    (evaluation), the hooks do nothing."""
 
     def __init__(self, model, *, bucket_cap_mb: float = 1.0):
         self.group, self.n = model.groups["dp_cp"], model.grid.dp * model.grid.cp
         sp = {id(p) for p in model.sequence_parallel_params()}
         names = {id(p): name for name, p in model.named_parameters()}
-        params = [p for p in model.dense_params() if p.requires_grad and id(p) not in sp]
-        self.params = set(map(id, params))
+        dense = [p for p in model.dense_params() if p.requires_grad]
+        params = [p for p in dense if id(p) not in sp]
         order = list(reversed(params))                     # backward reaches the last layers first
         self.buckets = [Bucket(i, [order[j] for j in idx], names=[names[id(order[j])] for j in idx])
                         for i, idx in enumerate(assign_buckets(order, int(bucket_cap_mb * 2 ** 20)))]
         self._where = {id(p): b.index for b in self.buckets for p in b.params}
         self._names = names
+        self._sp = sp
         self._count: dict[int, int] = {}
-        self.expected, self.armed = 1, False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in order] if self.n > 1 else []
+        self.expected, self.armed, self.zero = 1, False, None
+        hooked = list(reversed(dense))                     # ZeRO's flat gradient holds the sp copies too
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in hooked] if self.n > 1 else []
 
-    def arm(self, num_microbatches: int = 1) -> None:
-        """The next ``num_microbatches`` backward passes are one step's: post each bucket when complete."""
-        self.expected, self.armed = num_microbatches, True
+    def arm(self, num_microbatches: int = 1, zero=None) -> None:
+        """The next ``num_microbatches`` backward passes are one step's: post each bucket when complete
+        (``zero``: ZeRO's :class:`~reference.data.zero.ShardBuckets`, armed here, get the gradients)."""
+        self.expected, self.armed, self.zero = num_microbatches, True, zero
         self._count.clear()
+        if zero is not None:
+            zero.arm()
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.armed:
             return
-        seen = self._count[id(p)] = self._count.get(id(p), 0) + 1
+        key = id(p)
+        if key in self._sp:                                # summed over tp after backward first
+            return
+        seen = self._count[key] = self._count.get(key, 0) + 1
         if seen == self.expected:                          # its last accumulation of this step
-            index = self._where[id(p)]
-            trace.emit("grad_ready", param=self._names[id(p)], bucket=index)
+            if self.zero is not None:
+                trace.emit("grad_ready", param=self._names[key], bucket=self.zero.whose[key][0])
+                self.zero.ready(p)
+                return
+            index = self._where[key]
+            trace.emit("grad_ready", param=self._names[key], bucket=index)
             grad_ready(self.buckets, index, group=self.group)
 
     def finish(self) -> None:
@@ -80,6 +99,9 @@ class OverlappedGradSync:
         that got no gradient this step is reduced as zeros (every rank posts the same messages) and
         keeps ``.grad = None``, as :func:`.train.sync_gradients` leaves it."""
         self.armed = False
+        if self.zero is not None:                          # a ZeRO step finishes its own buckets
+            self.zero = None
+            return
         if self.n == 1:
             return
         missing = [p for b in self.buckets for p in b.params if p.grad is None]

@@ -187,7 +187,8 @@ class ComposedBlock(nn.Module):
 class ContextParallelAttention(nn.Module):
     """A :class:`reference.tensor.ParallelSelfAttention` (my heads, tp) whose ``attend`` becomes
     :func:`reference.sequence.ring_attention` over the cp group (my zigzag chunks of the sequence;
-    one local fused block when cp = 1).  It keeps the tp layer's ``qkv`` and ``proj``.
+    cp = 1: torch's fused causal attention itself, the same CPU kernel as the ring's one block, without
+    the ring's Python autograd around it).  It keeps the tp layer's ``qkv`` and ``proj``.
     x: (S_l, B, d), or (S_l/tp, B, d) with sequence parallelism.  ``recompute`` "selective": keep
     q, k, v and run the ring again in the backward (its K/V passes too, cp > 1).
     """
@@ -203,11 +204,16 @@ class ContextParallelAttention(nn.Module):
         S, B, _ = q.shape
         q, k, v = (t.reshape(S, B, self.local_heads, -1).permute(1, 2, 0, 3) for t in (q, k, v))
         kw = dict(causal=True, layout=self.layout, group=self.cp_group)
+        attend = ring_attention if self.layout == "zigzag" else _local_attention
         if self.recompute == "selective":
-            out = checkpoint(ring_attention, q, k, v, use_reentrant=False, early_stop=False, **kw)
+            out = checkpoint(attend, q, k, v, use_reentrant=False, early_stop=False, **kw)
         else:
-            out = ring_attention(q, k, v, **kw)
+            out = attend(q, k, v, **kw)
         return self.proj(out.permute(2, 0, 1, 3).reshape(S, B, -1))
+
+
+def _local_attention(q, k, v, *, causal: bool, layout: str, group) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 class AuxLossAutoScaler(torch.autograd.Function):

@@ -130,12 +130,20 @@ def global_loss(model: ParallelGPT, loss: torch.Tensor | None) -> float:
     """The whole batch's loss on every rank: the mean of the dp·cp ranks' losses (tp copies add 0;
     with pp > 1 every stage adds its MoE layers' aux share, the last its cross-entropy).  One
     all-reduce of one number over the world."""
+    return _reported(model, _post_loss(model, loss))
+
+
+def _post_loss(model: ParallelGPT, loss: torch.Tensor | None) -> comm.PendingCollective:
+    """global_loss's all-reduce, posted: train_step lets it fly during the clip and the optimizer step."""
     mine = 0.0
     if model.coords["tp"] == 0:
         mine = (float(loss.detach()) if loss is not None else 0.0) + model.aux_share()
     t = torch.tensor([mine], dtype=torch.float64, device=next(model.parameters()).device)
-    comm.all_reduce(t, what="loss")
-    return float(t) / (model.grid.dp * model.grid.cp)
+    return comm.all_reduce_async(t, what="loss")
+
+
+def _reported(model: ParallelGPT, pending: comm.PendingCollective) -> float:
+    return float(pending.wait()) / (model.grid.dp * model.grid.cp)
 
 
 def train_step(model: ParallelGPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
@@ -149,15 +157,17 @@ def train_step(model: ParallelGPT, optimizer: torch.optim.Optimizer, x: torch.Te
     before clipping is left in ``model.grad_norm`` (None without clipping: no extra message).
     ``overlap``: the dense gradients' mean over dp_cp travels in lecture 3's buckets of ``bucket_cap_mb``
     MiB, each posted from a gradient hook as soon as it is full, during backward (.overlap); False:
-    :func:`sync_gradients` after backward, one all-reduce.  ZeRO reduces in its own step (no overlap).
+    :func:`sync_gradients` after backward, one all-reduce.  With ZeRO the same hooks post its
+    reduce-scatters (stage 1: all-reduces) bucket by bucket (.zero); False: one message in its step.
     """
     x, y = local_batch(x, y, model)
     optimizer.zero_grad(set_to_none=True)
     model.scale_aux_losses(num_microbatches)
     zero = getattr(optimizer, "syncs_gradients", False)
-    buckets = overlapped_sync(model, bucket_cap_mb=bucket_cap_mb) if overlap and not zero else None
-    if buckets is not None:
-        buckets.arm(num_microbatches if model.grid.pp > 1 else 1)
+    buckets = overlapped_sync(model, bucket_cap_mb=bucket_cap_mb) if overlap else None
+    if buckets is not None:                                  # ZeRO: the hooks feed its shard buckets (.zero)
+        shards = optimizer.shard_buckets(bucket_cap_mb) if zero and buckets.n > 1 else None
+        buckets.arm(num_microbatches if model.grid.pp > 1 else 1, zero=shards)
     if model.grid.pp == 1:
         loss = model.loss(x, y)
         loss.backward()
@@ -166,18 +176,24 @@ def train_step(model: ParallelGPT, optimizer: torch.optim.Optimizer, x: torch.Te
                             group=model.groups["pp"], shapes=model.stage_shapes(x.shape[0] // num_microbatches))
     norm = None
     if zero:                                                 # ZeRO (compose.zero) reduces (and clips) in its step
+        if buckets is not None:
+            buckets.finish()                                 # disarms the hooks; the step waits for the buckets
         norm = optimizer.step() if clip_grad_norm is None else optimizer.step(clip_grad_norm)
+        reported = _post_loss(model, loss)
     else:
         if buckets is not None:
             buckets.finish()                                 # wait for the buckets in flight, ÷ dp·cp
             sync_the_rest(model)                             # sequence-parallel copies, experts
         else:
             sync_gradients(model)
+        # every gradient message has been waited for: the loss's all-reduce (over the world) flies
+        # during the clip and Adam; every rank posts the same messages in the same order
+        reported = _post_loss(model, loss)
         if clip_grad_norm is not None:
             norm = clip_grad_norm_(model, clip_grad_norm)
         optimizer.step()
     model.grad_norm = norm
-    return global_loss(model, loss)
+    return _reported(model, reported)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,12 +17,19 @@ Bytes on dp_cp per step (S = ⌈P/N⌉ elements, P the rank's dense parameters p
 stage 1 sends 2(N−1)·S·b (all-reduce) + (N−1)·S·b (all-gather), 1.5× the plain all-reduce;
 stage 2 sends (N−1)·S·b + (N−1)·S·b, the same as the all-reduce (lecture 3).
 
-Gradient clipping (``step(max_norm)``) goes between the reduction and Adam, inside lecture 3's
-:func:`reference.data.zero.zero_step`: the norm is summed over the dp·cp shards (.clip.clip_zero_).
+Overlap (train_step's default): the hooks of .overlap hand each complete dense gradient to lecture
+3's :class:`reference.data.zero.ShardBuckets`, so ZeRO's reduce-scatters (stage 1: all-reduces)
+are posted during backward, bucket by bucket, as DDP's all-reduces are; the step waits for them.
+A bucket is the same columns of every rank's shard, so the bytes are the one message's exactly.
+The sequence-parallel copies join their buckets after their sum over tp.  Without overlap the
+reduction runs in lecture 3's :func:`reference.data.zero.zero_step`, one message.
+
+Gradient clipping (``step(max_norm)``) goes between the reduction and Adam (the optimizer handed to
+lecture 3's step runs the clip first): the norm is summed over the dp·cp shards (.clip.clip_zero_).
 """
 from __future__ import annotations
 
-from ..data.zero import ZeroOptimizer, shard_size, zero_step
+from ..data.zero import ShardBuckets, ZeroOptimizer, shard_size
 from ..moe import sync_moe_gradients
 from ..tensor import sync_sequence_parallel_grads
 from .clip import clip_zero_
@@ -53,19 +60,31 @@ class ComposedZero:
     def step(self, max_norm: float | None = None) -> float | None:
         """Synchronise, (``max_norm``: clip to that global norm, .clip), update.  Returns the norm
         before clipping, or None without ``max_norm`` (then no extra message)."""
-        m = self.model
-        sync_sequence_parallel_grads(m.sequence_parallel_params(), group=m.groups["tp"])
+        m, d = self.model, self.dense
+        sp = m.sequence_parallel_params()
+        sync_sequence_parallel_grads(sp, group=m.groups["tp"])
+        if d.buckets is not None and d.buckets.armed:   # the sp copies join ZeRO's buckets once summed over tp
+            for p in sp:
+                if p.requires_grad and p.grad is not None:
+                    d.buckets.ready(p)
         if m.expert_params() and m.grid.dp * m.grid.cp > 1:
             sync_moe_gradients([], m.expert_params(), dp_group=m.groups["dp_cp"], expert_dp_group=m.groups["edp"])
         if max_norm is None:
-            self.dense.step()
+            d.step()
             self.experts.step()
             return None
-        d = self.dense                 # lecture 3's step, with the clip between its reduction and Adam
+        # lecture 3's step, with the clip between its reduction and Adam
         clipped = _ClipFirst(lambda: clip_zero_(m, d, max_norm), d.optimizer)
-        zero_step(d.params, d.shard, clipped, stage=d.stage, group=d.group)
+        d.step(clipped)
         self.experts.step()
         return clipped.norm
+
+    def shard_buckets(self, bucket_cap_mb: float = 1.0) -> ShardBuckets:
+        """The dense ZeroOptimizer's :class:`~reference.data.zero.ShardBuckets` (made on first use): armed
+        by train_step's gradient hooks (.overlap), its reduction flies during backward."""
+        if self.dense.buckets is None:
+            self.dense.buckets = ShardBuckets(self.dense, bucket_cap_mb)
+        return self.dense.buckets
 
 
 class _ClipFirst:

@@ -13,8 +13,8 @@ Read them in that order.
 """
 from .ddp import Bucket, DataParallel, all_reduce_gradients, assign_buckets, finish_buckets, grad_ready
 from .fsdp import FullyShardedDataParallel, gather_full_params, reduce_scatter_grad
-from .zero import ZeroOptimizer, shard_size, zero_step
+from .zero import ShardBuckets, ZeroOptimizer, shard_size, zero_step
 
 __all__ = ["all_reduce_gradients", "Bucket", "assign_buckets", "grad_ready", "finish_buckets", "DataParallel",
-           "shard_size", "zero_step", "ZeroOptimizer", "gather_full_params", "reduce_scatter_grad",
+           "shard_size", "zero_step", "ZeroOptimizer", "ShardBuckets", "gather_full_params", "reduce_scatter_grad",
            "FullyShardedDataParallel"]
