@@ -69,17 +69,21 @@ def world():
 
 _grades: dict[str, tuple[list, float]] = {}
 COURSE_REQUESTS: dict[str, dict] = {}      # solutions -> {(exercise, check): digests of what it sent learner code}
+COURSE_ORACLE: dict[tuple[str, str], dict] = {}   # (exercise, visible check) -> the oracle answers it recorded
 
 
-def grade_recording(solutions: str, secret: bytes | None = None, ids=None):
+def grade_recording(solutions: str, secret: bytes | None = None, ids=None, oracle: dict | None = None):
     """Grade the whole course (hidden checks included) on the published inputs (``secret`` None) or on
-    fresh inputs from ``secret``; also {(exercise, check): digests of the requests it sent the runner}."""
+    fresh inputs from ``secret``; also {(exercise, check): digests of the requests it sent the runner}.
+    With ``oracle`` (a dict), every ``ctx.oracle`` answer a visible check recorded goes into
+    ``oracle[(exercise, check)]`` (what ``release.record_oracle`` records for a student release)."""
     import hashlib
 
     from exercises.grading import core, sandbox, session
     seen: dict[tuple[str, str], set[str]] = {}
     current = [("", "")]
     call = sandbox.Runner.call
+    registry = core.load_checks()
 
     def recording(self, request, timeout):
         if request[0] in ("local", "ranks"):
@@ -91,12 +95,20 @@ def grade_recording(solutions: str, secret: bytes | None = None, ids=None):
         ex_id, _, rest = line.partition(" ")
         current[0] = (ex_id, rest.rsplit(" ...", 1)[0])
 
-    before = core._SALT
+    class ByCheck(dict):              # core.ORACLE.record: each answer filed under the check that asked
+        def __setitem__(self, key, value):
+            ex = registry.get(current[0][0])
+            if ex is not None and any(c.name == current[0][1] and not c.hidden for c in ex.checks):
+                oracle.setdefault(current[0], {})[key] = value
+
+    before = core._SALT, core.ORACLE.record
     sandbox.Runner.call, core._SALT = recording, secret
+    if oracle is not None:
+        core.ORACLE.record = ByCheck()
     try:
         results = session.grade(solutions, ids, include_hidden=True, progress=progress)
     finally:
-        sandbox.Runner.call, core._SALT = call, before
+        sandbox.Runner.call, (core._SALT, core.ORACLE.record) = call, before
     return results, seen
 
 
@@ -104,14 +116,28 @@ def grade_recording(solutions: str, secret: bytes | None = None, ids=None):
 def course_grades():
     """``course_grades(solutions)`` -> (results of every exercise, hidden checks included, seconds it
     took): the whole course graded once per session and shared by the tests that need it (what each
-    check sent learner code is kept in ``COURSE_REQUESTS[solutions]``)."""
+    check sent learner code is kept in ``COURSE_REQUESTS[solutions]``; for the reference, the oracle
+    answers of its visible checks in ``COURSE_ORACLE``: the student release is built from them)."""
     def get(solutions: str):
         if solutions not in _grades:
             t0 = time.perf_counter()
-            results, COURSE_REQUESTS[solutions] = grade_recording(solutions)
+            results, COURSE_REQUESTS[solutions] = grade_recording(
+                solutions, oracle=COURSE_ORACLE if solutions == "reference" else None)
             _grades[solutions] = (results, time.perf_counter() - t0)
         return _grades[solutions]
     return get
+
+
+_fresh: list[tuple[list, dict]] = []
+
+
+@pytest.fixture(scope="session")
+def fresh_course_grades():
+    """(results, {(exercise, check): request digests}): the reference graded on the whole course, hidden
+    checks included, on fresh inputs from one secret drawn for the session — as ``run_autograder`` grades."""
+    if not _fresh:
+        _fresh.append(grade_recording("reference", os.urandom(32)))
+    return _fresh[0]
 
 
 # -- the student release, built once per session -----------------------------------------------------
@@ -125,12 +151,25 @@ def release_ids() -> list[str]:
     return list({ex.module: ex.id for ex in reversed(list(registry.values()))}.values())[::-1]
 
 
+def release_answers(course_grades) -> dict | None:
+    """The oracle answers ``release.record_oracle(release_ids())`` would record — the visible checks of those
+    exercises, taken from the session's one grading of the reference on the published inputs — or None if
+    the reference lost a point there (the build then grades on its own and says what was lost)."""
+    results, _ = course_grades("reference")
+    ids = set(release_ids())
+    if any(not c.passed for r in results if r.exercise.id in ids for c in r.checks):
+        return None
+    return {k: v for (ex_id, _), answers in COURSE_ORACLE.items() if ex_id in ids for k, v in answers.items()}
+
+
 @pytest.fixture(scope="session")
-def student_release(tmp_path_factory):
-    """The student release (``make release``) in a temporary folder: test_classroom_release.py checks
-    it, test_browser.py opens its notebooks in JupyterLab."""
+def student_release(tmp_path_factory, course_grades):
+    """The student release (``make release``) in a temporary folder, its oracle answers recorded while the
+    session graded the reference (``course_grades``): test_release.py checks it, test_browser.py opens its
+    notebooks in JupyterLab."""
     from exercises.grading import release
-    return release.build_student(tmp_path_factory.mktemp("release"), release_ids(), make_zip=True)
+    return release.build_student(tmp_path_factory.mktemp("release"), release_ids(), make_zip=True,
+                                 answers=release_answers(course_grades))
 
 
 # -- a browser for tests/notebook/test_browser.py ----------------------------------------------------------------

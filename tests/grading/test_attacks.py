@@ -64,17 +64,19 @@ def test_the_no_overlap_attack_loses_exactly_the_overlap_check_and_is_told_why(f
     assert "posted only in finish_buckets" in lost[0].message
 
 
-def test_the_reference_earns_full_marks_on_fresh_inputs_and_every_check_draws_new_ones(course_grades, no_orphans):
+def test_the_reference_earns_full_marks_on_fresh_inputs_and_every_check_draws_new_ones(course_grades,
+                                                                                      fresh_course_grades, no_orphans):
     published_results, _ = course_grades("reference")          # the published inputs, graded once per session
     published = COURSE_REQUESTS["reference"]
     points = {(r.exercise.id, c.name): c.max_score for r in published_results for c in r.checks}
-    runs = [grade_recording("reference", os.urandom(32))]
+    runs = [fresh_course_grades]                                # fresh inputs, graded once per session
     fixed = {key for key, digests in published.items() if points.get(key, 0) > 0 and runs[0][1].get(key) == digests}
     # A draw from a small set (e.g. 5 head counts) repeats by chance: those exercises alone draw again, up to five
     # times; a check whose inputs never change stays fixed (the chance of 6 chance repeats in 5 is 1 in 15,625).
     for _ in range(5):
         if not fixed:
             break
+        print(f"drawing again for {len(fixed)} check(s) whose draw repeated: {sorted(fixed)}")
         runs.append(grade_recording("reference", os.urandom(32), sorted({ex for ex, _ in fixed})))
         fixed = {key for key in fixed if runs[-1][1].get(key) == published[key]}
     for results, _ in [(published_results, None), *runs]:

@@ -2,8 +2,9 @@
 that scores the stubs 0 and a finished learner full marks from recorded reference answers, and
 notebooks that run (cells that need an exercise say so instead of failing).
 
-The release is built once for the module, recording reference answers for one exercise per
-learner module (to bound the time); the stripping and the scans cover every graded function.
+The release is built once per session (conftest.py), with the reference answers of one exercise per
+learner module (to bound the time), taken from the session's one grading of the reference on the published
+inputs (``course_grades``); the stripping and the scans cover every graded function.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from exercises.grading import core, release
-from tests.conftest import browser_available, release_ids
+from tests.conftest import COURSE_ORACLE, browser_available, release_answers, release_ids
 from tests.release_notebooks import WHERE, cell_text, explains, problems
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,6 +135,31 @@ def test_release_grader_gives_a_finished_learner_full_marks_from_recorded_answer
     assert doc["tests"] and all(t["status"] == "passed" for t in doc["tests"]), \
         [t["output"][:300] for t in doc["tests"] if t["status"] != "passed"]
     assert doc["score"] == sum(REGISTRY[i].points - sum(c.points for c in REGISTRY[i].checks if c.hidden) for i in IDS)
+
+
+def _same(a, b) -> bool:
+    import torch
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def test_the_answers_the_session_shares_are_what_make_release_records(course_grades):
+    """The session's release is built from the oracle answers its one grading of the reference recorded
+    (conftest.py: release_answers); ``make release`` records them with record_oracle: the same, key for key."""
+    shared = release_answers(course_grades)
+    assert shared, "the reference lost points on the release's exercises, or no answers were recorded"
+    for ex_id in ("4.4", "5c.1"):                   # a pipeline oracle (dicts, lists) and the grid's (lists)
+        assert ex_id in IDS
+        recorded, _ = release.record_oracle([ex_id])
+        ours = {k: v for (i, _), answers in COURSE_ORACLE.items() if i == ex_id for k, v in answers.items()}
+        assert recorded and recorded.keys() == ours.keys(), ex_id
+        assert all(_same(recorded[k], ours[k]) for k in recorded), ex_id
+        assert recorded.keys() <= shared.keys()
 
 
 RELEASE_NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
