@@ -102,11 +102,12 @@ from .hardware import PRESETS
 from .model import GB, Cluster, Composition, Model, cpu_cluster, tiny_gpt
 from .plan import Plan, check_composition, plan, with_sizes
 from .search import divisors, explain, search, time_terms
-from .timing import StepTime, model_flops
+from .timing import StepTime, model_flops, optimizer_bytes_per_param
 
 preset = Cluster.preset
 
 __all__ = ["Model", "Cluster", "Composition", "Plan", "param_counts", "active_params", "device_params", "stage_layers",
            "padded_vocab", "model_state_bytes", "activation_bytes_per_layer", "output_layer_bytes", "allreduce_bytes",
            "all_to_all_bytes", "bubble_fraction", "check_composition", "plan", "search", "with_sizes", "tiny_gpt",
-           "cpu_cluster", "GB", "PRESETS", "preset", "divisors", "explain", "time_terms", "StepTime", "model_flops"]
+           "cpu_cluster", "GB", "PRESETS", "preset", "divisors", "explain", "time_terms", "StepTime", "model_flops",
+           "optimizer_bytes_per_param"]

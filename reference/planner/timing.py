@@ -30,7 +30,9 @@ all-gather over tp that rebuilds it).  The pipeline (slowest device T_max, bubbl
 Then the gradients: a ring all-reduce over dp·cp (ZeRO-1/2 and the distributed optimizer: reduce-scatter,
 then the parameters all-gathered after the step).  With ``dp_overlap`` the reduction hides behind the
 last micro-batch's backward and only what exceeds it is exposed; without it (Megatron's local DDP) all of
-it is.  The optimizer streams each local parameter's state once: (param + grad + 2·K) bytes / hbm_bw.
+it is, and the last bucket (25 MiB, DDP's default, or the word embedding's gradient, computed last) is exposed
+either way.  The optimizer streams each local parameter's state (:func:`optimizer_bytes_per_param`: 52 bytes in
+mixed precision with Adam, as Megatron's fp16 optimizer runs it) at hbm_bw · μ.
 
     step = pipeline + exposed gradient sync + optimizer
 
@@ -42,12 +44,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .collectives import collective_time
-from .counts import _stage_params, active_params
+from .counts import _stage_params, active_params, padded_vocab
 from .kernels import attention_core_time, elementwise_bytes, gemm_time, layer_gemms, memory_time
 from .layout import bubble_units, chunk_layers, device_chunks
 from .model import Cluster, Composition, Model
 
-__all__ = ["StepTime", "layer_time", "step_time", "model_flops"]
+# torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25): the default bucket, the last one posted as backward ends
+DDP_BUCKET_BYTES = 25 * 2 ** 20
+
+__all__ = ["StepTime", "layer_time", "step_time", "model_flops", "optimizer_bytes_per_param"]
 
 
 @dataclass
@@ -63,6 +68,17 @@ class StepTime:
     mfu: float
     hfu: float
     device_times: list[float] = field(default_factory=list)   # T_k per micro-batch
+
+
+def optimizer_bytes_per_param(model: Model) -> float:
+    """Bytes the optimizer step streams per local parameter.  Mixed precision (weights below 4 bytes, an fp32
+    master copy in the optimizer state), as Megatron's fp16/bf16 optimizer runs it, one pass each: gradients
+    cast to fp32 (grad + 4), unscaled and checked for inf (4 + 4), their norm for clipping (4), Adam on the
+    master weights (read weight, gradient, m, v; write weight, m, v: 7 × 4), the weights cast back (4 + param).
+    Otherwise (one precision): read weight, gradient and state, write weight and state."""
+    if model.param_bytes < 4 and model.optimizer_bytes >= 12:
+        return (model.grad_bytes + 4) + 8 + 4 + 7 * 4 + (4 + model.param_bytes)
+    return model.param_bytes + model.grad_bytes + 2 * model.optimizer_bytes
 
 
 def model_flops(model: Model, recompute: str = "none") -> tuple[float, float]:
@@ -160,10 +176,15 @@ def _chunk_time(model, cluster, comp, links, b, n_layers, n_moe, first, last, ac
         head = (gemm_time(tokens, vocab, model.hidden, cluster, elem=e)
                 + gemm_time(tokens, model.hidden, vocab, cluster, elem=e)
                 + gemm_time(model.hidden, vocab, tokens, cluster, elem=e))
-        ce = 4 * memory_time(tokens * vocab * model.loss_bytes, cluster)
+        # the vocabulary-parallel cross-entropy as Megatron writes it, one kernel per line: logits cast to
+        # loss_bytes (if they are not already), max, subtract, exp, sum, divide (8 passes of loss_bytes);
+        # backward: grad × softmax (2) and the cast back
+        lb, cast = model.loss_bytes, (model.loss_bytes + e if model.loss_bytes != e else 0)
+        ce_f = memory_time(tokens * vocab * (8 * lb + cast), cluster)
+        ce_b = memory_time(tokens * vocab * (2 * lb + cast), cluster)
         norm = 3 * memory_time(2 * e * tokens * model.hidden, cluster)
-        kernels += head + ce + norm
-        backward += head * 2 / 3 + ce / 2
+        kernels += head + ce_f + ce_b + norm
+        backward += head * 2 / 3 + ce_b
         if t > 1 and not comp.tp_overlap:
             exposed["tp"] += collective_time("all_reduce", tokens * model.hidden * e, t, cluster, links["tp"]) \
                 + 3 * collective_time("all_reduce", tokens * model.loss_bytes, t, cluster, links["tp"])
@@ -216,20 +237,25 @@ def step_time(model: Model, cluster: Cluster, comp: Composition, links: dict[str
         groups = [(dense_params, n_dp, links["dp"])]
         if expert_params:
             groups.append((expert_params, n_dp // comp.ep, links["edp"]))
-        for psi, n, link in groups:
+        # with overlap, the last bucket is posted when backward ends: it is exposed whatever the window.  On the
+        # device holding the word embedding that bucket is the table's gradient (produced last); else one bucket
+        embed = padded_vocab(model, comp.tp) // comp.tp * model.hidden if 0 in device_chunks(comp, slow) else 0
+        for (psi, n, link), last in zip(groups, (max(DDP_BUCKET_BYTES, embed * model.grad_bytes), DDP_BUCKET_BYTES)):
             if n <= 1:
                 continue
-            if sharded:
-                reduce = collective_time("reduce_scatter", psi * model.grad_bytes, n, cluster, link)
-                gather = collective_time("all_gather", psi * model.param_bytes, n, cluster, link)
+            kind = "reduce_scatter" if sharded else "all_reduce"
+            reduce = collective_time(kind, psi * model.grad_bytes, n, cluster, link)
+            gather = collective_time("all_gather", psi * model.param_bytes, n, cluster, link) if sharded else 0.0
+            if comp.dp_overlap:
+                tail = collective_time(kind, min(last, psi * model.grad_bytes), n, cluster, link)
+                exposed_reduce = max(tail, reduce - dev_backward[slow])
             else:
-                reduce, gather = collective_time("all_reduce", psi * model.grad_bytes, n, cluster, link), 0.0
-            window = dev_backward[slow] if comp.dp_overlap else 0.0
+                exposed_reduce = reduce
             sync += reduce + gather
-            sync_exposed += max(0.0, reduce - window) + gather
+            sync_exposed += exposed_reduce + gather
     local = (dense_params / (n_dp if sharded else 1)
              + (expert_params / max(1, n_dp // comp.ep) if sharded else expert_params))
-    optimizer = memory_time(local * (model.param_bytes + model.grad_bytes + 2 * model.optimizer_bytes), cluster)
+    optimizer = memory_time(local * optimizer_bytes_per_param(model), cluster)
     step = pipeline + sync_exposed + optimizer
     exposed = {a: m * x for a, x in dev_exposed[slow].items() if x > 0}
     if sync_exposed > 0:

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from reference import planner as P
+from reference.gpt import GPTConfig
 from reference.planner.collectives import collective_time
 from reference.planner.hardware import PRESETS
 from reference.planner.kernels import gemm_efficiency, gemm_time
@@ -205,3 +206,26 @@ def test_gradient_accumulation_costs_memory_traffic_per_extra_micro_batch():
     params = P.device_params(GPT, P.Composition(dp=8, tp=8))[0]
     assert per_micro * 8 == pytest.approx(7 * 3 * GPT.grad_bytes * params / (A100.hbm_bw * A100.memory_efficiency),
                                           rel=0.02)
+
+
+def test_the_mixed_precision_optimizer_streams_52_bytes_per_parameter():
+    """Megatron's fp16 optimizer, one pass each: cast the gradient (2 + 4), unscale (4 + 4), its norm (4),
+    Adam on the fp32 master (7 × 4), cast the weight back (4 + 2); one precision: weight, grad, state."""
+    assert P.optimizer_bytes_per_param(GPT) == 52
+    assert P.optimizer_bytes_per_param(P.tiny_gpt(GPTConfig(vocab=64), batch_size=2)) == 8 + 8 + 2 * 16
+    one = P.plan(GPT, A100, P.Composition(dp=64))
+    assert one.optimizer_time == pytest.approx(P.device_params(GPT, P.Composition(dp=64))[0] * 52
+                                               / (A100.hbm_bw * A100.memory_efficiency))
+
+
+def test_with_overlap_only_the_last_bucket_of_the_gradient_sync_is_exposed():
+    """torch DDP's last bucket is posted as backward ends: exposed whatever the window (the word embedding's
+    gradient on the device holding it, else a 25 MiB bucket); without overlap, all of it."""
+    from reference.planner.timing import DDP_BUCKET_BYTES
+    comp, big_batch = P.Composition(dp=64, recompute="full"), replace(GPT, micro_batch=32, global_batch=64 * 32)
+    # (micro-batches of 32 sequences: one backward long enough to hide all but the last bucket)
+    plans = {o: P.plan(big_batch, A100, P.with_sizes(comp, dp_overlap=o)) for o in (True, False)}
+    table = P.padded_vocab(GPT, 1) * GPT.hidden * GPT.grad_bytes
+    assert table > DDP_BUCKET_BYTES
+    assert plans[True].exposed["dp"] == pytest.approx(collective_time("all_reduce", table, 64, A100, "inter"))
+    assert plans[False].exposed["dp"] > 5 * plans[True].exposed["dp"]
