@@ -71,7 +71,9 @@ class Bucket:
     params: in the order their gradients are expected (reverse registration order);
     ready:  how many of them have their gradient for this backward;
     buffer: the flat gradient being reduced (numel = Σ p.numel()), None between backwards;
-    work:   the all-reduce in flight (``comm.PendingCollective``), None until posted.
+    work:   the all-reduce in flight (``comm.PendingCollective``), None until posted;
+    storage: optional flat tensor (numel = Σ p.numel(), the params' dtype) kept across backwards for
+            ``buffer`` to be packed into, so a step allocates nothing (DataParallel's); None: allocate.
     """
 
     index: int
@@ -80,6 +82,7 @@ class Bucket:
     buffer: torch.Tensor | None = None
     work: object | None = None
     names: list[str] = field(default_factory=list)
+    storage: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -122,7 +125,7 @@ def grad_ready(buckets: list[Bucket], index: int, *, group=None) -> None:
             continue
         if b.ready < len(b.params):
             break
-        b.buffer = torch.cat([p.grad.reshape(-1) for p in b.params])
+        b.buffer = torch.cat([p.grad.reshape(-1) for p in b.params], out=b.storage)
         b.work = comm.all_reduce_async(b.buffer, group=group, what="grads", bucket=b.index)
 
 
@@ -138,18 +141,20 @@ def finish_buckets(buckets: list[Bucket], *, group=None) -> None:
     for b in buckets:
         if b.work is None:
             b.buffer = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                                  for p in b.params])
+                                  for p in b.params], out=b.storage)
             b.work = comm.all_reduce_async(b.buffer, group=group, what="grads", bucket=b.index)
     for b in buckets:
-        flat = b.work.wait().div_(N)
+        flat = b.work.wait()
         offset = 0
-        for p in b.params:
+        for p in b.params:                        # ÷ N on the way back: one pass, the same bits as div_ then copy
             g = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
             if p.grad is None:
-                p.grad = g.clone()
+                p.grad = g / N
+            elif p.grad.dtype == g.dtype and p.grad.is_contiguous():
+                torch.div(g, N, out=p.grad)
             else:
-                p.grad.copy_(g)
+                p.grad.copy_(g / N)
         b.ready, b.buffer, b.work = 0, None, None
 
 
@@ -189,6 +194,9 @@ class DataParallel(nn.Module):
         order = [p for p in reversed(params) if p.requires_grad]          # the order backward produces
         self.buckets = [Bucket(i, [order[j] for j in idx], names=[names[id(order[j])] for j in idx])
                         for i, idx in enumerate(assign_buckets(order, int(bucket_cap_mb * 2 ** 20)))]
+        for b in self.buckets:        # one flat buffer per bucket for the whole run, as DDP keeps its buckets
+            if len({(p.dtype, p.device) for p in b.params}) == 1:
+                b.storage = b.params[0].new_empty(sum(p.numel() for p in b.params))
         self._where = {id(p): b.index for b in self.buckets for p in b.params}
         self._names = names
         self.require_sync = True

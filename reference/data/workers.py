@@ -152,27 +152,34 @@ def unused_on_some_ranks(bucket_cap_mb: float = 25.0, seed: int = 0) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def time_steps(method: str, layers: int = 6, width: int = 512, rows: int = 64, steps: int = 10, warmup: int = 3,
-               bucket_cap_mb: float = 25.0) -> float:
-    """Rank worker for ``benchmarks/data_parallel.py``: seconds per training step (forward, backward,
-    AdamW step, zero_grad) of :func:`.models.layer_model` in float32, median over ``steps`` after ``warmup``."""
+def time_steps(methods: list[str], layers: int = 6, width: int = 512, rows: int = 64, steps: int = 10,
+               warmup: int = 3, bucket_cap_mb: float = 25.0) -> list[list[float]]:
+    """Rank worker for ``benchmarks/data_parallel.py``: seconds of each training step (forward, backward,
+    AdamW step, zero_grad) of :func:`.models.layer_model` in float32, for each of ``methods`` (each its own
+    model and optimizer, all in this world), after ``warmup`` steps each.  The methods take their steps in
+    turn — step i of every method, then step i+1, the order reversed every other step — so the machine's
+    load of any moment hits them alike; a barrier before every step."""
     import time
 
     import torch.distributed as dist
 
-    model = layer_model(layers, width)
-    wrapped, opt = wrap(method, model, torch.optim.AdamW, dict(lr=1e-3), bucket_cap_mb=bucket_cap_mb,
-                        fsdp_units=[m for m in model if isinstance(m, torch.nn.Linear)])
+    runs = []
+    for method in methods:
+        model = layer_model(layers, width)
+        runs.append(wrap(method, model, torch.optim.AdamW, dict(lr=1e-3), bucket_cap_mb=bucket_cap_mb,
+                         fsdp_units=[m for m in model if isinstance(m, torch.nn.Linear)]))
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(comm.rank()))
-    times = []
+    times: list[list[float]] = [[] for _ in methods]
     for i in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        F.mse_loss(wrapped(x), x).backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-    return sorted(times[warmup:])[steps // 2]
+        for k in (range(len(runs)) if i % 2 == 0 else reversed(range(len(runs)))):
+            wrapped, opt = runs[k]
+            dist.barrier()
+            t0 = time.perf_counter()
+            F.mse_loss(wrapped(x), x).backward()
+            opt.step()
+            opt.zero_grad()
+            times[k].append(time.perf_counter() - t0)
+    return [t[warmup:] for t in times]
 
 
 # ----------------------------------------------------------------------------------------------

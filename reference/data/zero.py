@@ -77,12 +77,8 @@ def zero_step(params: list[torch.Tensor], shard: torch.Tensor, optimizer: torch.
     """
     N, r = comm.world_size(group), comm.rank(group)
     S = shard.numel()
-    flat = shard.new_zeros(N * S)
-    offset = 0
-    for p in params:
-        if p.grad is not None:
-            flat[offset:offset + p.numel()] = p.grad.reshape(-1)
-        offset += p.numel()
+    pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+    flat = torch.cat(pieces + [shard.new_zeros(N * S - sum(t.numel() for t in pieces))])   # one pass, no zero-fill
     if stage == 1:
         comm.all_reduce(flat, group=group, what="grads", stage=1).div_(N)
         offset = 0
