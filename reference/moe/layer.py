@@ -118,7 +118,7 @@ class MoELayer(nn.Module):
         kept_per_expert = torch.bincount(e, minlength=E)                          # = min(count_e, C)
         buffers = x[t].split(kept_per_expert.tolist())                           # expert e's tokens
         out = torch.cat([expert(xe) for expert, xe in zip(self.experts, buffers)])
-        y = torch.zeros_like(x).index_add(0, t, w[t, j].unsqueeze(-1).to(x.dtype) * out)
+        y = torch.zeros_like(x).index_add_(0, t, w[t, j].unsqueeze(-1).to(x.dtype) * out)
 
         stats = {
             "aux_loss": load_balancing_loss(routing["probs"], idx, E),

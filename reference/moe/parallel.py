@@ -120,12 +120,19 @@ def dispatch(x: torch.Tensor, routing: dict, num_experts: int, capacity: int, gr
     token was assigned).
     """
     (W, E_local), d = _experts_per_rank(num_experts, group), x.shape[1]
+    received = _dispatch_rows(x, routing, num_experts, capacity, group)
+    return received.view(W, E_local, capacity, d).transpose(0, 1).reshape(E_local, W * capacity, d)
+
+
+def _dispatch_rows(x: torch.Tensor, routing: dict, num_experts: int, capacity: int, group) -> torch.Tensor:
+    """:func:`dispatch` as it arrives, before the expert-major transpose: (W·E_local·C, d), rows
+    ``s·E_local·C + e·C + c`` = slot c of local expert e from source rank s."""
+    W, E_local = _experts_per_rank(num_experts, group)
     t, j, e = _kept_assignments(routing)
     rows = e * capacity + routing["slot"][t, j]
-    buffer = x.new_zeros(num_experts * capacity, d).index_copy(0, rows, x.index_select(0, t))  # (E·C, d)
+    buffer = x.new_zeros(num_experts * capacity, x.shape[1]).index_copy_(0, rows, x.index_select(0, t))  # (E·C, d)
     tokens_per_dest = torch.bincount(e // E_local, minlength=W).tolist()
-    received = all_to_all(buffer, group=group, what="dispatch", tokens_per_dest=tokens_per_dest)
-    return received.view(W, E_local, capacity, d).transpose(0, 1).reshape(E_local, W * capacity, d)
+    return all_to_all(buffer, group=group, what="dispatch", tokens_per_dest=tokens_per_dest)
 
 
 def combine(expert_out: torch.Tensor, routing: dict, num_experts: int, capacity: int, group=None) -> torch.Tensor:
@@ -134,19 +141,25 @@ def combine(expert_out: torch.Tensor, routing: dict, num_experts: int, capacity:
     expert_out: (E_local, W·C, d) laid out as :func:`dispatch` returns.  Returns (T, d):
     ``y_t = Σ_j w_tj · out[e_tj, slot_tj]`` over kept assignments; dropped ones contribute 0.
     """
-    (W, E_local), T = _experts_per_rank(num_experts, group), routing["kept"].shape[0]
+    W, E_local = _experts_per_rank(num_experts, group)
     if expert_out.dim() != 3 or expert_out.shape[:2] != (E_local, W * capacity):
         raise ValueError(f"combine expects expert outputs of shape ({E_local}, {W * capacity}, d), "
                          f"got {tuple(expert_out.shape)}")
     d = expert_out.shape[2]
     send = expert_out.view(E_local, W, capacity, d).transpose(0, 1).reshape(W * E_local * capacity, d)
+    return _combine_rows(send, routing, num_experts, capacity, group)
+
+
+def _combine_rows(send: torch.Tensor, routing: dict, num_experts: int, capacity: int, group) -> torch.Tensor:
+    """:func:`combine` from the send buffer: (W·E_local·C, d) in :func:`_dispatch_rows`' layout."""
+    (W, E_local), T, d = _experts_per_rank(num_experts, group), routing["kept"].shape[0], send.shape[1]
     t, j, e = _kept_assignments(routing)
     tokens_back = torch.bincount(e // E_local, minlength=W).tolist()
     back = all_to_all(send, group=group, what="combine", tokens_per_dest=[E_local * capacity] * W,
                       tokens_per_src=tokens_back)
     rows = e * capacity + routing["slot"][t, j]                                         # into (E·C, d)
     w = routing["weight"][t, j].unsqueeze(-1).to(back.dtype)
-    return back.new_zeros(T, d).index_add(0, t, w * back.index_select(0, rows))
+    return back.new_zeros(T, d).index_add_(0, t, w * back.index_select(0, rows))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,7 +201,7 @@ def combine_dropless(expert_out: torch.Tensor, routing: dict, num_experts: int, 
     back = all_to_all(expert_out, recv_counts.sum(1).tolist(), counts.view(W, -1).sum(1).tolist(),
                       group=group, what="combine")
     w = routing["weight"][t, j].unsqueeze(-1).to(back.dtype)
-    return back.new_zeros(T, expert_out.shape[1]).index_add(0, t, w * back)
+    return back.new_zeros(T, expert_out.shape[1]).index_add_(0, t, w * back)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,10 +226,11 @@ def _filled_slots(kept_experts: torch.Tensor, num_experts: int, group) -> torch.
 
 
 def _filled_rows(filled: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Rows of the flattened (E_local·W·C, d) dispatch buffer that hold a token, expert by expert:
-    ``e·W·C + s·C + c`` for c < filled[s, e]."""
-    slot = torch.arange(capacity)
-    return (slot < filled.t().unsqueeze(-1)).flatten().nonzero().squeeze(1)         # (E_local, W, C) mask
+    """Rows of the received (W·E_local·C, d) buffer (:func:`_dispatch_rows`) that hold a token,
+    expert by expert: ``s·E_local·C + e·C + c`` for c < filled[s, e], ordered by (e, s, c)."""
+    W, E_local = filled.shape
+    e, s, c = (torch.arange(capacity) < filled.t().unsqueeze(-1)).nonzero(as_tuple=True)   # (E_local, W, C) mask
+    return (s * E_local + e) * capacity + c
 
 
 def _world_if_none(group):
@@ -328,25 +342,27 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"capacity mode needs the same number of tokens on every rank, got between "
                              f"{int(t[1])} and {int(-t[2])} (use dropless=True for uneven batches)")
 
-    def _run_experts_padded(self, x_disp: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+    def _run_experts_padded(self, x_recv: torch.Tensor, filled: torch.Tensor, capacity: int) -> torch.Tensor:
         """Run local expert e on the FILLED slots of its buffer only; padding rows of the output are 0.
 
-        x_disp: (E_local, W·C, d) from :func:`dispatch`; filled: (W, E_local), slots of expert e
-        that source s filled (slots fill from 0, so they are rows ``s·C … s·C + filled[s, e] - 1``).
+        x_recv: (W·E_local·C, d) as the dispatch all-to-all delivers it (:func:`_dispatch_rows`:
+        source-major, row ``s·E_local·C + e·C + c``); filled: (W, E_local), slots of expert e that
+        source s filled (slots fill from 0, so they are c < filled[s, e]).  The output has the same
+        layout, which is the layout :func:`combine` sends back: neither side transposes the padded
+        (E_local, W·C, d) view that :func:`dispatch` / :func:`combine` expose, so no full-buffer copy.
         Computing the padding too (what a dense GShard layer does) would cost E·C / kept - 1 more:
         25 % at capacity factor 1.25 with perfect balance, more when tokens are dropped.  Combine
         never reads a padding row, so its value does not matter.  One gather, one matmul pair per
         expert, one scatter::
 
-            x_disp (E_local·W·C, d) ──index_select(rows)──▶ (kept, d) ──split──▶ FFN_0 … FFN_last
+            x_recv (W·E_local·C, d) ──index_select(rows)──▶ (kept, d) ──split──▶ FFN_0 … FFN_last
                                                                              │ cat
-            out    (E_local·W·C, d) ◀──zeros.index_copy(rows)────────────────┘
+            out    (W·E_local·C, d) ◀──zeros.index_copy_(rows)────────────────┘
         """
-        E_local, WC, d = x_disp.shape
-        rows = _filled_rows(filled, WC // filled.shape[0])
-        parts = x_disp.reshape(E_local * WC, d).index_select(0, rows).split(filled.sum(0).tolist())
+        rows = _filled_rows(filled, capacity)
+        parts = x_recv.index_select(0, rows).split(filled.sum(0).tolist())
         out = torch.cat([expert(part) for expert, part in zip(self.local_experts(), parts)])
-        return x_disp.new_zeros(E_local * WC, d).index_copy(0, rows, out).view(E_local, WC, d)
+        return x_recv.new_zeros(x_recv.shape).index_copy_(0, rows, out)
 
     def _run_experts_dropless(self, x_recv: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
         """Run local expert e on its rows of ``x_recv`` (grouped source-major, see dispatch_dropless).
@@ -382,10 +398,10 @@ class ExpertParallelMoE(nn.Module):
             y = combine_dropless(out, routing, E, recv_counts, group)
         else:
             filled = _filled_slots(idx[kept], E, group)                              # (W, E_local)
-            x_disp = dispatch(x, routing, E, capacity, group)                       # (E_local, W·C, d)
+            x_recv = _dispatch_rows(x, routing, E, capacity, group)                 # (W·E_local·C, d)
             with trace.span("compute", what="experts", tokens_per_expert=filled.sum(0).tolist()):
-                out = self._run_experts_padded(x_disp, filled)
-            y = combine(out, routing, E, capacity, group)
+                out = self._run_experts_padded(x_recv, filled, capacity)
+            y = _combine_rows(out, routing, E, capacity, group)                     # combine, untransposed
 
         kept_per_expert = torch.bincount(idx[kept], minlength=E)
         stats = {
