@@ -105,7 +105,7 @@ def train(method: str, kind: str = "mlp", opt: str = "adamw", *, steps: int = 3,
             with wrapped.no_sync() if quiet else nullcontext():
                 loss = _loss(wrapped, x, y, accum)
                 loss.backward()
-            losses[-1] += float(loss)
+            losses[-1] += float(loss.detach())
         if step == 0 and return_grads and method in ("ddp", "torch_ddp", "torch_zero1", "single"):
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
