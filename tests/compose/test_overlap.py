@@ -91,7 +91,10 @@ def _same(va: dict, vb: dict, r: int) -> None:
     (1, {"dp": 2, "pp": 2}, dict(num_microbatches=2, schedule="1f1b", clip_grad_norm=0.5)),
     (2, {"dp": 2, "cp": 2, "ep": 2}, dict(num_experts=4)),
     (2, {"dp": 2, "tp": 2}, dict(sequence_parallel=True, clip_grad_norm=0.5)),
-], ids=["zero2-dp-pp-1f1b", "zero1-dp-pp-1f1b-clip", "zero2-dp-cp-ep", "zero2-dp-tp-sp-clip"])
+    (2, {"dp": 3}, dict(batch_size=6)),          # N = 3: shards padded, buckets cut across the padding
+    (1, {"dp": 3}, dict(batch_size=6, clip_grad_norm=0.5)),
+], ids=["zero2-dp-pp-1f1b", "zero1-dp-pp-1f1b-clip", "zero2-dp-cp-ep", "zero2-dp-tp-sp-clip", "zero2-dp3",
+        "zero1-dp3-clip"])
 def test_zero_overlapped_equals_the_after_backward_step(world, zero, sizes, kw):
     n = sizes.get("dp", 1) * sizes.get("cp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1)     # ep: within dp·cp
     a = world(n).run(overlap_workers.zero_step, sizes, zero=zero, overlap=True, bucket_cap_mb=CAP, **TINY, **kw)
