@@ -3,12 +3,12 @@
     .venv/bin/python benchmarks/planner.py [--search]
 
 Every row of ``reference.planner.runs.PUBLISHED_RUNS`` (Narayanan et al. 2021, Tables 1 and 2) is
-planned with the composition the paper ran, on ``Cluster.preset("a100-80gb-sxm", n)`` — the time model
-from first principles, its constants from datasheets and GEMM / NCCL benchmarks (reference/planner/
-hardware.py), none fitted to these rows.  Printed per row: the published step (the paper's FLOPs
-formula over its teraFLOP/s per GPU), the predicted step, the error, the predicted MFU and HFU, the
-memory per device and the largest exposed terms; then the median and worst |error|.  With
-``--search``, also the search's fastest plan for each row and, where it beats the published
+planned with the composition the paper ran, on ``runs.selene(n)`` (the "a100-80gb-sxm" preset with the GEMM
+ceiling of the runs' CUDA 11 stack) — the time model from first principles, its constants from datasheets and
+GEMM / NCCL benchmarks (reference/planner/hardware.py), none fitted to these rows.  Printed per row: the
+published step (the paper's FLOPs formula over its teraFLOP/s per GPU), the predicted step, the error, the
+predicted MFU and HFU, the memory per device and the largest exposed terms; then the median and worst |error|.
+With ``--search``, also the search's fastest plan for each row and, where it beats the published
 composition by more than 10 %, the planner's explanation.  Pure arithmetic: a few seconds.
 """
 from __future__ import annotations

@@ -14,6 +14,10 @@ links; two benchmark figures say how close to the datasheet real kernels get:
 These are properties of the device and its network, measured by GEMM and NCCL benchmarks — never
 fitted to the training runs the planner is checked against (:mod:`.runs`).
 
+The GEMM ceiling is also a property of the software: cuBLAS gets faster on the same chip.  The presets carry
+today's (MAMF, a 2024–25 stack); a run made on an older stack is timed with a benchmark of its era, passed as
+an override — :data:`A100_GEMM_2022` for runs on CUDA 11 (Megatron-LM 2021: PyTorch 1.8, CUDA 11.1).
+
 Sources (cited per figure below):
     [A100]   NVIDIA A100 Tensor Core GPU datasheet (80 GB SXM column): 312 TFLOP/s dense BF16/FP16,
              2,039 GB/s HBM2e, 80 GB, NVLink 600 GB/s (both directions together).
@@ -28,6 +32,10 @@ Sources (cited per figure below):
     [MAMF]   S. Bekman, Machine Learning Engineering Open Book, compute/accelerator/README.md, "Maximum
              Achievable Matmul FLOPS comparison table", BF16 rows: A100 SXM 271.2 of 312 TFLOP/s (86.9 %),
              H100 SXM 794.5 of 989 (80.3 %).
+    [MLI]    Mu Li, transformers-benchmarks (github.com/mli/transformers-benchmarks, 2022), README "Micro-Benchmarking
+             Summary": A100 80 GB, matrix multiplication FP16 230 TFLOP/s (73.7 % of 312): a plain ``a @ b`` of
+             two 8192 × 8192 fp16 matrices timed with torch.utils.benchmark, in the NGC PyTorch 22.07 container
+             the README runs (PyTorch 1.13, CUDA 11.7).
     [NCCL]   the same book, network/README.md: nccl-tests all_reduce_perf on one A100 node — 32 KiB in
              43.83 µs, 16 GiB at 234.89 GB/s bus bandwidth (78 % of NVLink 3's 300 GB/s one way); an
              H200 node (NVLink 4, as H100) rings at 367.61 GB/s (82 % of 450); a 4-node H200 all-reduce
@@ -41,9 +49,12 @@ Sources (cited per figure below):
 """
 from __future__ import annotations
 
-__all__ = ["PRESETS", "preset_fields"]
+__all__ = ["PRESETS", "preset_fields", "A100_GEMM_2022"]
 
 GB = 1e9
+
+# [MLI] an A100's fp16 GEMM on a CUDA 11 stack (PyTorch 1.13, CUDA 11.7, 2022): 230 of 312 TFLOP/s, no shape search
+A100_GEMM_2022 = 230 / 312
 
 _RING_STEPS_8 = 2 * (8 - 1)          # a ring all-reduce over one node's 8 GPUs takes 2(n−1) = 14 steps
 

@@ -5,6 +5,7 @@ the planner cannot express raises in ``plan`` and fails here."""
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -48,20 +49,28 @@ def test_published_step_is_the_papers_flops_over_its_throughput():
     assert run.step_time == pytest.approx(flops / (163e12 * 3072), rel=1e-12)
 
 
-def test_step_time_error_over_the_shipped_rows_within_what_the_model_reaches():
-    """What the first-principles model reaches without fitting (see reference/planner/hardware.py):
-    median |error| ≤ 12 %, worst ≤ 20 % (today 11.1 % and 19.4 %; the median's target, 10 %, is not reached
-    yet: every compute-bound row comes out 8–19 % too fast, Table 1's small models at micro-batch 16 most)."""
+def test_step_time_error_over_the_shipped_rows():
+    """The issue's targets over the 22 rows: median |error| ≤ 10 %, worst ≤ 20 % (today 2.9 % and 12.1 %), with
+    the runs' GEMMs at a CUDA 11 stack's benchmark (reference/planner/runs.py).  At today's shape-searched
+    ceiling (the preset's) the same model is 11.1 % / 19.4 %: printed, so the sensitivity stays in sight."""
     errors = [abs(e) for e in _errors()]
-    print(f"median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}")
-    assert statistics.median(errors) <= 0.12 and max(errors) <= 0.20
+    today = [abs(r["error"]) for r in compare(ceiling=P.PRESETS["a100-80gb-sxm"]["gemm_ceiling"])]
+    print(f"median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}; at today's GEMM ceiling "
+          f"{statistics.median(today):.1%}, {max(today):.1%}")
+    assert statistics.median(errors) <= 0.10 and max(errors) <= 0.20
+    assert statistics.median(today) > statistics.median(errors)         # the ceiling is what moved it
 
 
 def test_error_no_longer_grows_with_model_size():
-    """A fixed MFU was −5 % at 1.7B and −35…−40 % at 1T; shape-dependent efficiency keeps the two ends
-    within 15 points of each other."""
-    first, last = ROWS[0]["error"], ROWS[len(NARAYANAN_TABLE_1) - 1]["error"]
-    assert abs(first - last) <= 0.15, (first, last)
+    """One fixed MFU (0.4, the simple model's default) cannot fit both ends of Table 1 (today +5 % at 1.7B, +50 %
+    at 1T, as the papers reach 44 → 52 % of peak); shape-dependent efficiency keeps them less than half as far
+    apart (−11 % and +4 %)."""
+    first, last = ROWS[0], ROWS[len(NARAYANAN_TABLE_1) - 1]
+    fixed = [P.plan(r["run"].model, replace(r["run"].cluster, mfu=0.4), r["run"].comp).step_time / r["published"] - 1
+             for r in (first, last)]
+    spread, fixed_spread = abs(first["error"] - last["error"]), abs(fixed[0] - fixed[1])
+    print(f"1.7B {first['error']:+.1%}, 1T {last['error']:+.1%}; MFU 0.4: {fixed[0]:+.1%}, {fixed[1]:+.1%}")
+    assert spread < 0.5 * fixed_spread, (spread, fixed_spread)
 
 
 def test_zero3_at_micro_batch_1_is_communication_bound_and_ranks_like_the_paper():
