@@ -64,6 +64,21 @@ def test_loss_and_every_gradient_equal_one_process(world, p, name):
         assert_matches_truth(res.values, m, num_stages=p, virtual_stages=v)
 
 
+@pytest.mark.parametrize("p,name,m", [(2, "1f1b", 4), (3, "gpipe", 4), (4, "zb_h1", 5), (2, "interleaved_1f1b", 4)])
+def test_untraced_runs_post_straight_to_gloo_and_equal_one_process(world, p, name, m):
+    """Without a trace recording (torchrun, benchmarks) the executor posts its messages with ``dist.isend`` /
+    ``dist.irecv`` directly instead of through ``comm.exchange``: the same losses and gradients."""
+    w = world(4)
+    v = 2 if name == "interleaved_1f1b" else 1
+    w.record = False
+    try:
+        res = run(world, p, workers.pipeline_worker, name, m, virtual_stages=v)
+    finally:
+        w.record = True
+    assert not res.trace.filter("send")                                   # nothing recorded: the direct path ran
+    assert_matches_truth(res.values, m, num_stages=p, virtual_stages=v)
+
+
 @pytest.mark.parametrize("p,name,sizes", [(2, "gpipe", [1, 4]), (3, "1f1b", [3, 1, 1]), (3, "zb_h1", [1, 1, 4]),
                                           (2, "interleaved_1f1b", [2, 1, 3, 1]), (4, "1f1b", [1, 2, 1, 3])])
 def test_uneven_splits(world, p, name, sizes):
