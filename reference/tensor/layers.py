@@ -194,6 +194,12 @@ class _ParallelLinear(nn.Module):
     def _meta(self):
         return {"layer": self.name} if self.name else {}
 
+    def one_rank(self) -> bool:
+        """A group of one rank (a grid without tp): the layer is a plain ``nn.Linear``, and ``forward``
+        calls its kernel directly — f and g would be identities that still cost an autograd node (and
+        g a copy) per call, several percent of a small model's step."""
+        return comm.world_size(self.group) == 1
+
 
 class ColumnParallelLinear(_ParallelLinear):
     """``nn.Linear`` with its output features split over ``group``: ``.weight`` (out/W, in) holds
@@ -215,6 +221,8 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output, self.save_shard = gather_output, save_shard
 
     def forward(self, x):
+        if self.one_rank():                     # nothing to split or gather: nn.Linear's own kernel
+            return F.linear(x, self.weight, self.bias)
         if self.sequence_parallel and self.save_shard and not self.gather_output:
             return linear_with_sequence_parallel_gather(x, self.weight, self.bias, self.group, **self._meta())
         return column_parallel_linear(x, self.weight, self.bias, self.group, gather_output=self.gather_output,
@@ -238,5 +246,7 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x):
+        if self.one_rank():                     # nothing to sum: nn.Linear's own kernel (bias fused)
+            return F.linear(x, self.weight, self.bias)
         return row_parallel_linear(x, self.weight, self.bias, self.group, input_is_parallel=self.input_is_parallel,
                                    sequence_parallel=self.sequence_parallel, **self._meta())
