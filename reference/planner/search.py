@@ -20,7 +20,7 @@ __all__ = ["divisors", "search", "explain", "time_terms"]
 
 # what to measure to settle a disagreement in each term
 EVIDENCE = {
-    "compute": "time one layer's forward and backward on one device (torch.profiler / nsys) at this "
+    "compute": "one layer's forward and backward on one device (torch.profiler / nsys) at this "
                "micro-batch and tp: the GEMM efficiency the model assumes is the open question",
     "bubble": "the idle time of the first and last pipeline stages in a timeline of one step",
     "optimizer": "the optimizer step's duration in a timeline",
