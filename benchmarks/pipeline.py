@@ -22,8 +22,9 @@ rank, computes ~9 ms of a ~15–17 ms step; on gloo every ``isend`` and every po
 socket write that wakes the peer (~0.1–0.2 ms each here), and the executor posted each receive one
 message ahead — between two of its actions — through ``comm.exchange`` (~20 µs more per message);
 1F1B ran at 0.8–0.95× torch.  Now a rank posts all of a sender's receives the first time it waits for
-that sender (it is idle then) and, when no trace records, calls ``dist.isend`` / ``irecv`` directly
-(``reference/pipeline/executor.py``, ``_Postbox``): same order of actions, bitwise the same gradients.
+that sender (it is idle then; ``reference/pipeline/executor.py``, ``_Postbox``), and ``comm.exchange`` posts
+gloo's sends and receives directly instead of through ``batch_isend_irecv`` (gloo runs a batch one
+operation at a time anyway): same order of actions, bitwise the same gradients.
 """
 from __future__ import annotations
 

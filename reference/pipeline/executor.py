@@ -17,18 +17,18 @@ and :func:`forward_step` / :func:`backward_step` (exercise 4.5) are one stage's 
 a :class:`Link` that hides ranks and buffers.
 
 Why it cannot deadlock on gloo (for any order :func:`.schedules.simulate` can finish): sends are
-posted non-blocking (``dist.isend``, or ``comm.exchange`` while a trace records) and never waited
-for on the way; a rank only ever blocks on a message it needs next.  Two ranks can exchange several
-kinds of message (with interleaving, activations and gradients both go 0 → 1), and gloo matches
-messages between a pair first-in, first-out — so a receiver posts its receives in the order the
-*sender* sends them (it knows the sender's whole schedule).  It posts them all at once, the first
-time it waits for that sender (it would be idle anyway): every later message then lands straight
-in its buffer while the receiver computes, and posting a receive — a message of its own to the
-sender on gloo, ~0.1 ms on a shared 2-core machine — no longer sits between two of its actions
-(what lifts 1F1B past torch's speed in ``benchmarks/pipeline.py``).  The price: one buffer per
-message of the step, (b/m, d) each, allocated up front — small next to the stash, whose bound is
-unchanged.  The activation sent for micro-batch i is known to be delivered once i's gradient is
-back, and is confirmed then; the other sends at the end of the step.
+posted non-blocking (``comm.exchange``) and never waited for on the way; a rank only ever blocks on
+a message it needs next. Two ranks can exchange several kinds of message (with interleaving,
+activations and gradients both go 0 → 1), and gloo matches messages between a pair first-in,
+first-out — so a receiver posts its receives in the order the *sender* sends them (it knows the
+sender's whole schedule). It posts them all at once, the first time it waits for that sender (it
+would be idle anyway): every later message then lands straight in its buffer while the receiver
+computes, and posting a receive — a message of its own to the sender on gloo, ~0.1 ms on a shared
+2-core machine — no longer sits between two of its actions (what lifts 1F1B past torch's speed in
+``benchmarks/pipeline.py``). The price: one buffer per message of the step, (b/m, d) each, allocated
+up front — small next to the stash, whose bound is unchanged. The activation sent for micro-batch i
+is known to be delivered once i's gradient is back, and is confirmed then; the other sends at the
+end of the step.
 
 Loss and gradients: the last stage's loss for micro-batch i is ``loss_fn(out_i, target_i) / m``;
 their sum is the full-batch mean (micro-batches are equal), and gradients accumulate in ``.grad``
@@ -53,7 +53,6 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import comm, trace
@@ -174,28 +173,6 @@ def backward_weight_step(microbatch: int, stash: dict) -> None:
 # Messages between stages
 
 
-class _Message:
-    """One send or receive posted straight with ``dist.isend`` / ``dist.irecv`` (nothing records, so
-    ``comm.exchange``'s bookkeeping for the trace, ~20 µs a message, is skipped).  ``wait()`` (safe
-    twice) returns ``[tensor]`` as ``comm.Pending`` does; while it blocks, the rank's status names the
-    message, which a timeout report quotes."""
-
-    __slots__ = ("work", "tensor", "status")
-
-    def __init__(self, work, tensor: torch.Tensor, status: str):
-        self.work, self.tensor, self.status = work, tensor, status
-
-    def wait(self) -> list[torch.Tensor]:
-        if self.work is not None:
-            trace.set_status(self.status)
-            try:
-                self.work.wait()
-            finally:
-                trace.set_status("")
-            self.work = None
-        return [self.tensor]
-
-
 class _Postbox:
     """This rank's messages.  A message is keyed ``(what, microbatch, receiving virtual stage)``."""
 
@@ -212,7 +189,7 @@ class _Postbox:
                     self.incoming[q].append(key)
         self.sender = {key: q for q, keys in self.incoming.items() for key in keys}
         self.listening: set[int] = set()           # senders whose receives are all posted
-        self.receiving: dict[tuple, Any] = {}     # key -> Pending (or _Message), for receives and sends in flight
+        self.receiving: dict[tuple, Any] = {}     # key -> comm.Pending, for receives and sends in flight
         self.sending: dict[tuple, Any] = {}
         self.arrived: dict[tuple, torch.Tensor] = {}
         self.local: dict[tuple, torch.Tensor] = {}   # messages to itself (one rank, several chunks)
@@ -225,13 +202,8 @@ class _Postbox:
         if to % self.p == self.rank:
             self.local[key] = tensor
             return
-        dst = self._peer(to)
-        if trace.is_recording():
-            self.sending[key] = comm.exchange([(tensor, dst)], [], group=self.group, step=i, what=what,
-                                              microbatch=i, chunk=link.chunk, stage=link.stage, peer_stage=to)
-        else:
-            self.sending[key] = _Message(dist.isend(tensor, dst, group=self.group), tensor,
-                                         f"send to rank {dst} (step {i})")
+        self.sending[key] = comm.exchange([(tensor, self._peer(to))], [], group=self.group, step=i, what=what,
+                                          microbatch=i, chunk=link.chunk, stage=link.stage, peer_stage=to)
 
     def _post_receives(self, q: int) -> None:
         """Post the receives of all of sender q's messages of the step, in its send order."""
@@ -239,13 +211,9 @@ class _Postbox:
             what, i, at = k
             shape, dtype = self.shapes[at][0 if what == "activation" else 1]
             other = at - 1 if what == "activation" else at + 1
-            buf, src = torch.empty(shape, dtype=dtype), self._peer(other)
-            if trace.is_recording():
-                self.receiving[k] = comm.exchange([], [(buf, src)], group=self.group, step=i, what=what,
-                                                  microbatch=i, chunk=at // self.p, stage=at, peer_stage=other)
-            else:
-                self.receiving[k] = _Message(dist.irecv(buf, src, group=self.group), buf,
-                                             f"recv from rank {src} (step {i})")
+            self.receiving[k] = comm.exchange([], [(torch.empty(shape, dtype=dtype), self._peer(other))],
+                                              group=self.group, step=i, what=what, microbatch=i, chunk=at // self.p,
+                                              stage=at, peer_stage=other)
         self.listening.add(q)
 
     def wait_for(self, key: tuple) -> None:
