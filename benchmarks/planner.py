@@ -7,7 +7,8 @@ planned with the composition the paper ran, on ``runs.selene(n)`` (the "a100-80g
 ceiling of the runs' CUDA 11 stack) — the time model from first principles, its constants from datasheets and
 GEMM / NCCL benchmarks (reference/planner/hardware.py), none fitted to these rows.  Printed per row: the
 published step (the paper's FLOPs formula over its teraFLOP/s per GPU), the predicted step, the error, the
-predicted MFU and HFU, the memory per device and the largest exposed terms; then the median and worst |error|.
+predicted MFU and HFU, the memory per device and the largest exposed terms; then the median and worst |error|,
+and the same at the preset's GEMM ceiling of today's stack.
 With ``--search``, also the search's fastest plan for each row and, where it beats the published
 composition by more than 10 %, the planner's explanation.  Pure arithmetic: a few seconds.
 """
@@ -23,7 +24,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from reference.planner import GB, explain, search, time_terms  # noqa: E402
+from reference.planner import GB, PRESETS, explain, search, time_terms  # noqa: E402
 from reference.planner.runs import compare  # noqa: E402
 
 
@@ -43,6 +44,9 @@ def main() -> None:
     errors = [abs(r["error"]) for r in rows]
     print(f"\n{len(rows)} rows: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} "
           f"(signed mean {statistics.mean(r['error'] for r in rows):+.1%})")
+    today = [abs(r["error"]) for r in compare(ceiling=PRESETS["a100-80gb-sxm"]["gemm_ceiling"])]
+    print(f"at the preset's GEMM ceiling (today's stack, not the runs' CUDA 11): median |error| "
+          f"{statistics.median(today):.1%}, worst {max(today):.1%}")
     if args.search:
         print("\nsearch (same micro-batch, full recomputation, cp 1, the row's other settings):")
         for r in rows:
