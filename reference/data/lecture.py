@@ -26,9 +26,10 @@ def SETTINGS(width: int) -> dict[str, dict]:
 
 
 def _exposed(trace) -> float:
-    """The run's exposed tail: the largest over ranks (the step ends when the last rank's does)."""
-    from ..widgets.buckets import timeline_stats
-    return max(s["exposed"] for s in timeline_stats(trace).values())
+    """The step's exposed tail: communication after the last rank's backward (the step ends when the last
+    all-reduce does; waiting for a peer that started later is not the all-reduce's cost)."""
+    from ..widgets.buckets import step_exposed
+    return step_exposed(trace)
 
 
 def ddp_story(runs: dict) -> list[str]:
@@ -46,7 +47,7 @@ def ddp_story(runs: dict) -> list[str]:
 
 
 @recordable("03.ddp_runs", needs=("3.2",), story=ddp_story)
-def ddp_runs(world_size: int = 2, layers: int = 6, width: int = 256, rows: int = 256, repeats: int = 3,
+def ddp_runs(world_size: int = 2, layers: int = 6, width: int = 512, rows: int = 256, repeats: int = 3,
              accum: int = 4, world=None) -> dict:
     """The DataParallel runs of the notebook, on one world of ``world_size`` ranks.
 

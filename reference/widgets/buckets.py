@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["timeline_state", "timeline_stats", "draw_timeline", "timeline_caption", "timeline_player"]
+__all__ = ["timeline_state", "timeline_stats", "step_exposed", "draw_timeline", "timeline_caption", "timeline_player"]
 
 N_STEPS = 24
 
@@ -54,6 +54,16 @@ def timeline_stats(trace) -> dict[int, dict[str, float]]:
                   "hidden_fraction": hidden / busy if busy > 0 else 0.0, "exposed": max(0.0, end - b1),
                   "end": max(end, b1), "buckets": len(ars)}
     return out
+
+
+def step_exposed(trace) -> float:
+    """The step's exposed communication (seconds): from the moment the *last* rank finishes backward to the
+    end of the last all-reduce on any rank.  A rank's own tail (``timeline_stats``' "exposed") also counts the
+    time it waits for a peer that started backward later; this is what the step pays for communication."""
+    stats = timeline_stats(trace)
+    if not stats:
+        return 0.0
+    return max(0.0, max(s["end"] for s in stats.values()) - max(s["backward_end"] for s in stats.values()))
 
 
 def timeline_state(trace, step: int, n_steps: int = N_STEPS) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from reference.trace import Event, Trace
-from reference.widgets.buckets import draw_timeline, timeline_caption, timeline_state, timeline_stats
+from reference.widgets.buckets import draw_timeline, step_exposed, timeline_caption, timeline_state, timeline_stats
 
 
 def synthetic(overlap: bool = True) -> Trace:
@@ -32,6 +32,20 @@ def test_stats_hidden_fraction_and_exposed_tail_from_the_intervals():
     assert s["hidden_fraction"] == pytest.approx(2 / 3) and s["exposed"] == pytest.approx(1e-3)
     late = timeline_stats(synthetic(overlap=False))[0]
     assert late["hidden_fraction"] == 0 and late["exposed"] == pytest.approx(1e-3)
+
+
+def test_the_steps_exposed_tail_starts_when_the_last_rank_ends_backward():
+    """Rank 1 (a copy of rank 0, 2 ms later) ends backward at 5 ms, its last all-reduce at 6 ms: rank 0's own
+    tail (3 → 6 ms, waiting for its peer) is 3 ms, the step's is 1 ms."""
+    ms = 1e-3
+    late = [dataclasses.replace(e, rank=1, start=e.start + 2 * ms, end=e.end + 2 * ms) for e in synthetic()]
+    early = [dataclasses.replace(e, end=6 * ms) if e.op == "all_reduce" and e.meta["bucket"] == 1 else e
+             for e in synthetic()]
+    both = Trace(early + late)
+    assert timeline_stats(both)[0]["exposed"] == pytest.approx(3 * ms)
+    assert step_exposed(both) == pytest.approx(1 * ms)
+    assert step_exposed(synthetic()) == pytest.approx(timeline_stats(synthetic())[0]["exposed"])
+    assert step_exposed(Trace()) == 0.0
 
 
 def test_state_clips_blocks_at_the_cursor_and_counts_what_is_in_flight():
