@@ -60,7 +60,10 @@ def step_exposed(trace) -> float:
     """The step's exposed communication (seconds): from the moment the *last* rank finishes backward to the
     end of the last all-reduce on any rank.  A rank's own tail (``timeline_stats``' "exposed") also counts the
     time it waits for a peer that started backward later; this is what the step pays for communication."""
-    stats = timeline_stats(trace)
+    return _step_tail(timeline_stats(trace))
+
+
+def _step_tail(stats: dict) -> float:
     if not stats:
         return 0.0
     return max(0.0, max(s["end"] for s in stats.values()) - max(s["backward_end"] for s in stats.values()))
@@ -92,7 +95,8 @@ def timeline_state(trace, step: int, n_steps: int = N_STEPS) -> dict[str, Any]:
     return {"ranks": sorted(stats), "t": t, "t_end": t_end, "compute": compute, "comm": comm, "ready": ready,
             "stats": {r: {k: (v - t0 if k in ("backward_start", "backward_end", "end") else v) for k, v in s.items()}
                       for r, s in stats.items()},
-            "in_flight": sum(1 for c in comm if not c["done"]), "message": ""}
+            "in_flight": sum(1 for c in comm if not c["done"]), "message": "",
+            "step_exposed": _step_tail(stats)}
 
 
 def timeline_caption(state: dict) -> str:
@@ -101,8 +105,8 @@ def timeline_caption(state: dict) -> str:
     s = state["stats"][state["ranks"][0]]
     return (f"t = {state['t'] * 1e3:.1f} ms: {state['in_flight']} all-reduce(s) in flight on rank {state['ranks'][0]}. "
             f"Whole run: backward {1e3 * (s['backward_end'] - s['backward_start']):.1f} ms, {s['buckets']} bucket(s), "
-            f"{100 * s['hidden_fraction']:.0f}% of all-reduce time hidden behind backward, exposed tail "
-            f"{1e3 * s['exposed']:.1f} ms.")
+            f"{100 * s['hidden_fraction']:.0f}% of all-reduce time hidden behind backward; the step's exposed tail "
+            f"(after the last rank's backward) {1e3 * state['step_exposed']:.1f} ms.")
 
 
 def draw_timeline(fig, state: dict) -> None:
