@@ -9,8 +9,10 @@ GEMM / NCCL benchmarks (reference/planner/hardware.py), none fitted to these row
 published step (the paper's FLOPs formula over its teraFLOP/s per GPU), the predicted step, the error, the
 predicted MFU and HFU, the memory per device and the largest exposed terms; then the median and worst |error|,
 and the same at the preset's GEMM ceiling of today's stack.
-With ``--search``, also the search's fastest plan for each row and, where it beats the published
-composition by more than 10 %, the planner's explanation.  Pure arithmetic: a few seconds.
+Then the held-out runs (``runs.HELD_OUT_RUNS``: NVIDIA's DGX Cloud recipes on H100s), as published and with
+their TP communication counted as exposed.  With ``--search``, also the search's fastest plan for each
+published row and, where it beats the published composition by more than 10 %, the planner's explanation.
+Pure arithmetic: a few seconds.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from reference.planner import GB, PRESETS, explain, search, time_terms  # noqa: E402
-from reference.planner.runs import compare  # noqa: E402
+from reference.planner.runs import HELD_OUT_RUNS, compare  # noqa: E402
 
 
 def main() -> None:
@@ -47,6 +49,7 @@ def main() -> None:
     today = [abs(r["error"]) for r in compare(ceiling=PRESETS["a100-80gb-sxm"]["gemm_ceiling"])]
     print(f"at the preset's GEMM ceiling (today's stack, not the runs' CUDA 11): median |error| "
           f"{statistics.median(today):.1%}, worst {max(today):.1%}")
+    held_out()
     if args.search:
         print("\nsearch (same micro-batch, full recomputation, cp 1, the row's other settings):")
         for r in rows:
@@ -60,6 +63,22 @@ def main() -> None:
             if gap > 0.10:
                 for line in explain(pub, best):
                     print("    " + line)
+
+
+def held_out() -> None:
+    """The held-out H100 runs (runs.HELD_OUT_RUNS), as published and with their TP communication exposed."""
+    from dataclasses import replace
+    rows = compare(HELD_OUT_RUNS)
+    exposed = compare([replace(run, comp=replace(run.comp, tp_overlap=False)) for run in HELD_OUT_RUNS])
+    print(f"\nheld out (never used to build the model): {'published':>10s} {'predicted':>10s} {'error':>7s} "
+          f"{'TP exposed':>11s}")
+    for r, x in zip(rows, exposed):
+        print(f"{r['run'].name:42s} {r['published']:9.2f}s {r['predicted']:9.2f}s {r['error']:+7.1%} "
+              f"{x['error']:+11.1%}")
+    for label, rs in (("as published (TP overlapped)", rows), ("TP communication exposed", exposed)):
+        e = [abs(r["error"]) for r in rs]
+        print(f"{len(rs)} held-out rows, {label}: median |error| {statistics.median(e):.1%}, worst {max(e):.1%}, "
+              f"{sum(r['error'] < 0 for r in rs)} too fast")
 
 
 if __name__ == "__main__":

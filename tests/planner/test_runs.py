@@ -11,8 +11,8 @@ import pytest
 
 from reference import planner as P
 from reference.planner.collectives import collective_time
-from reference.planner.runs import (KORTHIKANTI_TABLE_2, NARAYANAN_TABLE_1, NARAYANAN_TABLE_2, PUBLISHED_RUNS,
-                                    compare, gpt, narayanan_flops)
+from reference.planner.runs import (HELD_OUT_RUNS, KORTHIKANTI_TABLE_2, NARAYANAN_TABLE_1, NARAYANAN_TABLE_2,
+                                    PUBLISHED_RUNS, compare, gpt, narayanan_flops)
 
 ROWS = compare()
 
@@ -59,6 +59,26 @@ def test_step_time_error_over_the_shipped_rows():
           f"{statistics.median(today):.1%}, {max(today):.1%}")
     assert statistics.median(errors) <= 0.10 and max(errors) <= 0.20
     assert statistics.median(today) > statistics.median(errors)         # the ceiling is what moved it
+
+
+def test_held_out_h100_runs_fit_and_stay_within_the_worst_bound():
+    """14 runs the model was not developed against (NVIDIA's DGX Cloud recipes on H100, NeMo 24.09: GPT-3 175B,
+    Llama 3.1 70B and 405B, 64 to 2,304 GPUs), with every setting their YAML states.  Each is expressed and fits;
+    each is within the issue's worst bound (20 %).  They are all predicted too fast (today −7.4 … −19.3 %):
+    printed with the same rows with TP communication counted as exposed, which lands closer (+1.1 … −8.5 %) —
+    the time model counts TransformerEngine's TP overlap as free (lecture 5c says what would settle it)."""
+    rows = compare(HELD_OUT_RUNS)
+    assert len(rows) == 14 and len({r["run"].name for r in rows}) == 14
+    exposed = compare([replace(run, comp=replace(run.comp, tp_overlap=False)) for run in HELD_OUT_RUNS])
+    for r, x in zip(rows, exposed):
+        run, pl = r["run"], r["plan"]
+        assert pl.fits, f"{run.name}: {pl.summary()}"
+        assert run.published_step is not None and run.comp.tp_overlap and run.comp.distributed_optimizer
+        print(f"{run.name:42s} published {r['published']:6.2f} s  predicted {r['predicted']:6.2f} s  "
+              f"{r['error']:+.1%}   TP exposed {x['error']:+.1%}   MFU {pl.mfu:.1%} (published "
+              f"{run.tflops_per_gpu / 989:.1%})")
+        assert abs(r["error"]) <= 0.20
+        assert x["predicted"] > r["predicted"]          # the overlap switch reaches the plan
 
 
 def test_error_no_longer_grows_with_model_size():
