@@ -174,14 +174,15 @@ PUBLISHED_RUNS = NARAYANAN_TABLE_1 + NARAYANAN_TABLE_2
 # Held out: runs the planner was never developed against, added after the model was written and kept out
 # of PUBLISHED_RUNS (and of every choice above).  NVIDIA's DGX Cloud Benchmarking recipes
 # (github.com/NVIDIA/dgxc-benchmarking, NeMo 24.09 container, BF16 tables; H100 SXM nodes, 8 × 400 Gb/s):
-# each README's table gives the step time at each scale, its YAML / launcher the settings.  All three run
-# Megatron-Core through NeMo with TransformerEngine: sequence parallelism, TP communication overlapped with
-# the GEMMs (ub_tp_comm_overlap: true), the distributed optimizer with gradient reduce-scatter and parameter
-# all-gather overlapped (distributed_fused_adam, overlap_grad_sync / overlap_param_sync), fused (flash)
-# attention, no recomputation (activations_checkpoint_granularity: null), micro-batch 1.
+# each README's table gives the step time at each scale and the sizes (TP, PP, CP, VP, MBS, GBS); the settings
+# come from the model's YAML: the recipe's own for GPT-3 (nemo_megatron/gpt3_175b_hydra.yaml), NeMo-Framework-
+# Launcher's launcher_scripts/conf/training/llama/llama3_1_{70b,405b}.yaml for Llama 3.1 (the launcher the recipe
+# copies from the container).  All three run Megatron-Core through NeMo with TransformerEngine: sequence
+# parallelism, TP communication overlapped with the GEMMs (ub_tp_comm_overlap: true), the distributed optimizer
+# with gradient reduce-scatter and parameter all-gather overlapped (distributed_fused_adam, overlap_grad_sync /
+# overlap_param_sync), fused (flash) attention, no recomputation (activations_checkpoint_granularity: null).
 _DGXC = "NVIDIA dgxc-benchmarking (DGX Cloud Benchmarking, NeMo 24.09, BF16)"
-_DGXC_SETTINGS = ("sequence parallel, TP overlap, distributed optimizer with overlapped reduce-scatter and "
-                  "all-gather, fused attention, no recomputation, micro-batch 1: from the recipe's YAML")
+_LAUNCHER = "NeMo-Framework-Launcher launcher_scripts/conf/training/llama"
 
 
 def _dgxc(name: str, model: Model, gpus: int, tp: int, pp: int, cp: int, v: int, step: float, mfu: float,
@@ -201,29 +202,31 @@ def _gpt3_175b(gpus: int) -> Model:
                    vocab=50688)
 
 
-def _llama31(name: str, layers: int, hidden: int, heads: int, ffn: int, vocab: int, batch: int) -> Model:
-    """Llama 3.1 (NeMo's llama3_1_70b.yaml: RMSNorm, SwiGLU, RoPE, no biases, untied embeddings, no dropout,
-    8 query groups), sequence 8,192."""
-    return Model(name, layers=layers, hidden=hidden, heads=heads, kv_heads=8, ffn=ffn, vocab=vocab, seq_len=8192,
-                 micro_batch=1, global_batch=batch, gated_ffn=True, tied_embeddings=False, dropout=False,
-                 biases=False, source=f"{_DGXC}, {name}")
+def _llama31(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+             batch: int) -> Model:
+    """Llama 3.1 as NeMo's launcher configures it: RMSNorm, SwiGLU, RoPE, no biases, untied embeddings, no
+    dropout, ``kv_heads`` query groups (num_query_groups: 8 for 70B, 16 for 405B), sequence 8,192."""
+    return Model(name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab,
+                 seq_len=8192, micro_batch=1, global_batch=batch, gated_ffn=True, tied_embeddings=False,
+                 dropout=False, biases=False, source=f"{_DGXC}, {name}")
 
 
 # (GPUs, step seconds, model FLOPs utilisation) from each README's BF16 table
 HELD_OUT_RUNS = (
     [_dgxc("GPT-3 175B, tp 4 pp 8 v 12", _gpt3_175b(n), n, 4, 8, 1, 12, t, u,
-           "nemo_megatron/README_175b.md (TP=4, PP=8, VP=12, MBS=1)")
+           "nemo_megatron/README_175b.md (TP=4, PP=8, VP=12, MBS=1); settings: gpt3_175b_hydra.yaml")
      for n, t, u in ((128, 8.309, .5354), (256, 8.408, .5291), (512, 8.42, .5284), (1024, 8.453, .5263),
                      (2048, 8.49, .5240))]
-    + [_dgxc("Llama 3.1 70B, tp 4 pp 4 cp 2 v 5", _llama31("Llama 3.1 70B", 80, 8192, 64, 28672, 128256, 2 * n),
-             n, 4, 4, 2, 5, t, u, "llama3.1/README_70b.md (TP=4, PP=4, CP=2, VP=5, MBS=1)")
+    + [_dgxc("Llama 3.1 70B, tp 4 pp 4 cp 2 v 5",
+             _llama31("Llama 3.1 70B", 80, 8192, 64, 8, 28672, 128256, 2 * n), n, 4, 4, 2, 5, t, u,
+             f"llama3.1/README_70b.md (TP=4, PP=4, CP=2, VP=5, MBS=1); settings: {_LAUNCHER}/llama3_1_70b.yaml")
        for n, t, u in ((64, 14.72, .5410), (128, 14.73, .5406), (256, 14.8, .5381), (512, 14.89, .5348),
                        (1024, 14.92, .5338), (2048, 14.98, .5338))]
     + [_dgxc("Llama 3.1 405B, tp 8 pp 9 cp 2 v 7",
-             _llama31("Llama 3.1 405B", 126, 16384, 128, 53248, 51200, 252 * n // 576), n, 8, 9, 2, 7, t, u,
-             "llama3.1/README_405b.md (TP=8, PP=9, CP=2, VP=7, MBS=1)",
-             ("the GPT-2 BPE vocabulary the recipe uses as a proxy (README), padded to 51,200",
-              "TP overlap on: llama3.1/configure.sh sets ub_tp_comm_overlap_cfg for 405b"))
+             _llama31("Llama 3.1 405B", 126, 16384, 128, 16, 53248, 51200, 252 * n // 576), n, 8, 9, 2, 7, t, u,
+             f"llama3.1/README_405b.md (TP=8, PP=9, CP=2, VP=7, MBS=1); settings: {_LAUNCHER}/llama3_1_405b.yaml",
+             ("the GPT-2 BPE vocabulary the README says the recipe uses as a proxy, padded to 51,200 (the launcher's "
+              "YAML names Llama 3.1's tokenizer, 128,256)",))
        for n, t, u in ((576, 17.20, .5578), (1152, 17.52, .5476), (2304, 17.62, .5445))]
 )
 
