@@ -71,10 +71,10 @@ def held_out() -> None:
     rows = compare(HELD_OUT_RUNS)
     exposed = compare([replace(run, comp=replace(run.comp, tp_overlap=False)) for run in HELD_OUT_RUNS])
     print(f"\nheld out (never used to build the model): {'published':>10s} {'predicted':>10s} {'error':>7s} "
-          f"{'TP exposed':>11s}")
+          f"{'TP exposed':>11s} {'GB':>6s}")
     for r, x in zip(rows, exposed):
         print(f"{r['run'].name:42s} {r['published']:9.2f}s {r['predicted']:9.2f}s {r['error']:+7.1%} "
-              f"{x['error']:+11.1%}")
+              f"{x['error']:+11.1%} {r['plan'].total_memory / GB:6.1f}" + ("" if r["plan"].fits else "  does not fit"))
     for label, rs in (("as published (TP overlapped)", rows), ("TP communication exposed", exposed)):
         e = [abs(r["error"]) for r in rs]
         print(f"{len(rs)} held-out rows, {label}: median |error| {statistics.median(e):.1%}, worst {max(e):.1%}, "

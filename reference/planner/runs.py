@@ -211,6 +211,15 @@ def _llama31(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn
                  dropout=False, biases=False, source=f"{_DGXC}, {name}")
 
 
+def _nemotron4_340b(batch: int) -> Model:
+    """nemotron_340b.yaml: 96 layers, hidden 18,432, FFN 4h with squared ReLU (two matrices), 96 heads, 8 query
+    groups, LayerNorm (layernorm1p), RoPE, no biases, untied embeddings, no dropout, vocabulary 256,000,
+    sequence 4,096; global batch 2 per node (README)."""
+    return Model("Nemotron-4 340B", layers=96, hidden=18432, heads=96, kv_heads=8, ffn=4 * 18432, vocab=256000,
+                 seq_len=4096, micro_batch=1, global_batch=batch, gated_ffn=False, tied_embeddings=False,
+                 dropout=False, biases=False, source=f"{_DGXC}, Nemotron-4 340B")
+
+
 # (GPUs, step seconds, model FLOPs utilisation) from each README's BF16 table
 HELD_OUT_RUNS = (
     [_dgxc("GPT-3 175B, tp 4 pp 8 v 12", _gpt3_175b(n), n, 4, 8, 1, 12, t, u,
@@ -228,6 +237,11 @@ HELD_OUT_RUNS = (
              ("the GPT-2 BPE vocabulary the README says the recipe uses as a proxy, padded to 51,200 (the launcher's "
               "YAML names Llama 3.1's tokenizer, 128,256)",))
        for n, t, u in ((576, 17.20, .5578), (1152, 17.52, .5476), (2304, 17.62, .5445))]
+    + [_dgxc("Nemotron-4 340B, tp 8 pp 8 v 12", _nemotron4_340b(2 * n // 8), n, 8, 8, 1, 12, t, u,
+             "nemotron/README_340b.md (NeMo 24.11; TP=8, PP=8, VP=12, MBS=1); settings: "
+             "NeMo-Framework-Launcher launcher_scripts/conf/training/nemotron/nemotron_340b.yaml")
+       for n, t, u in ((128, 4.61, .5538), (256, 4.67, .5467), (512, 4.7, .5432), (1024, 4.73, .5398),
+                       (2048, 4.84, .5275))]
 )
 
 # Korthikanti et al. 2022, Table 2: (technique, tp used?, sequence parallel, recompute, bytes per layer)
