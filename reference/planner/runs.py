@@ -33,7 +33,7 @@ stack, 230 of 312 TFLOP/s (:data:`.hardware.A100_GEMM_2022`), not at today's bes
 preset's 271.2): with today's figure every compute-bound row comes out 8–19 % too fast (median |error| 11.1 %),
 with the era's 0–12 % either way (:func:`compare` ``(ceiling=...)`` shows both).
 
-Held out (:data:`HELD_OUT_RUNS`): 14 runs on H100s from NVIDIA's DGX Cloud Benchmarking recipes, added after the
+Held out (:data:`HELD_OUT_RUNS`): 19 runs on H100s from NVIDIA's DGX Cloud Benchmarking recipes, added after the
 model was written and used to choose nothing in it (see the block comment above them).
 
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .hardware import A100_GEMM_2022
+from .hardware import A100_GEMM_2022, PRESETS
 from .model import Cluster, Composition, Model
 
 __all__ = ["PublishedRun", "narayanan_flops", "gpt", "selene", "compare", "NARAYANAN_TABLE_1", "NARAYANAN_TABLE_2",
@@ -169,19 +169,20 @@ NARAYANAN_TABLE_2 = [
 PUBLISHED_RUNS = NARAYANAN_TABLE_1 + NARAYANAN_TABLE_2
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Held out: runs the planner was never developed against, added after the model was written and kept out
 # of PUBLISHED_RUNS (and of every choice above).  NVIDIA's DGX Cloud Benchmarking recipes
-# (github.com/NVIDIA/dgxc-benchmarking, NeMo 24.09 container, BF16 tables; H100 SXM nodes, 8 × 400 Gb/s):
-# each README's table gives the step time at each scale and the sizes (TP, PP, CP, VP, MBS, GBS); the settings
-# come from the model's YAML: the recipe's own for GPT-3 (nemo_megatron/gpt3_175b_hydra.yaml), NeMo-Framework-
-# Launcher's launcher_scripts/conf/training/llama/llama3_1_{70b,405b}.yaml for Llama 3.1 (the launcher the recipe
-# copies from the container).  All three run Megatron-Core through NeMo with TransformerEngine: sequence
-# parallelism, TP communication overlapped with the GEMMs (ub_tp_comm_overlap: true), the distributed optimizer
-# with gradient reduce-scatter and parameter all-gather overlapped (distributed_fused_adam, overlap_grad_sync /
-# overlap_param_sync), fused (flash) attention, no recomputation (activations_checkpoint_granularity: null).
-_DGXC = "NVIDIA dgxc-benchmarking (DGX Cloud Benchmarking, NeMo 24.09, BF16)"
+# (github.com/NVIDIA/dgxc-benchmarking, NeMo 24.09 and 24.11 containers, BF16 tables; H100 SXM nodes,
+# 8 × 400 Gb/s): each README's table gives the step time at each scale and the sizes (TP, PP, CP, VP, MBS,
+# GBS).  The settings come from each model's YAML: the recipe's own for GPT-3
+# (nemo_megatron/gpt3_175b_hydra.yaml); NeMo-Framework-Launcher's (the launcher the recipes copy from the
+# container) for the others: launcher_scripts/conf/training/llama/llama3_1_{70b,405b}.yaml and
+# launcher_scripts/conf/training/nemotron/nemotron_340b.yaml.  All four run Megatron-Core through NeMo with
+# TransformerEngine: sequence parallelism, TP communication overlapped with the GEMMs (ub_tp_comm_overlap:
+# true), the distributed optimizer with gradient reduce-scatter and parameter all-gather overlapped
+# (overlap_grad_sync / overlap_param_sync), fused (flash) attention, no recomputation
+# (activations_checkpoint_granularity: null).
+_DGXC = "NVIDIA dgxc-benchmarking (DGX Cloud Benchmarking, BF16)"
 _LAUNCHER = "NeMo-Framework-Launcher launcher_scripts/conf/training/llama"
 
 
@@ -189,8 +190,9 @@ def _dgxc(name: str, model: Model, gpus: int, tp: int, pp: int, cp: int, v: int,
           source: str, assumed: tuple[str, ...] = ()) -> PublishedRun:
     comp = Composition(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, virtual_stages=v, flash=True,
                        sequence_parallel=True, distributed_optimizer=True, dp_overlap=True, tp_overlap=True)
+    tflops = mfu * PRESETS["h100-80gb-sxm"]["flops"] / 1e12      # the README's MFU, on its 989 TFLOP/s
     return PublishedRun(f"{name} on {gpus}", f"{_DGXC}, {source}, {gpus} GPUs", model,
-                        Cluster.preset("h100-80gb-sxm", gpus), comp, mfu * 989, assumed, published_step=step)
+                        Cluster.preset("h100-80gb-sxm", gpus), comp, tflops, assumed, published_step=step)
 
 
 def _gpt3_175b(gpus: int) -> Model:
@@ -223,17 +225,19 @@ def _nemotron4_340b(batch: int) -> Model:
 # (GPUs, step seconds, model FLOPs utilisation) from each README's BF16 table
 HELD_OUT_RUNS = (
     [_dgxc("GPT-3 175B, tp 4 pp 8 v 12", _gpt3_175b(n), n, 4, 8, 1, 12, t, u,
-           "nemo_megatron/README_175b.md (TP=4, PP=8, VP=12, MBS=1); settings: gpt3_175b_hydra.yaml")
+           "nemo_megatron/README_175b.md (NeMo 24.09; TP=4, PP=8, VP=12, MBS=1); settings: gpt3_175b_hydra.yaml")
      for n, t, u in ((128, 8.309, .5354), (256, 8.408, .5291), (512, 8.42, .5284), (1024, 8.453, .5263),
                      (2048, 8.49, .5240))]
     + [_dgxc("Llama 3.1 70B, tp 4 pp 4 cp 2 v 5",
              _llama31("Llama 3.1 70B", 80, 8192, 64, 8, 28672, 128256, 2 * n), n, 4, 4, 2, 5, t, u,
-             f"llama3.1/README_70b.md (TP=4, PP=4, CP=2, VP=5, MBS=1); settings: {_LAUNCHER}/llama3_1_70b.yaml")
+             f"llama3.1/README_70b.md (NeMo 24.09; TP=4, PP=4, CP=2, VP=5, MBS=1); settings: "
+             f"{_LAUNCHER}/llama3_1_70b.yaml")
        for n, t, u in ((64, 14.72, .5410), (128, 14.73, .5406), (256, 14.8, .5381), (512, 14.89, .5348),
                        (1024, 14.92, .5338), (2048, 14.98, .5338))]
     + [_dgxc("Llama 3.1 405B, tp 8 pp 9 cp 2 v 7",
              _llama31("Llama 3.1 405B", 126, 16384, 128, 16, 53248, 51200, 252 * n // 576), n, 8, 9, 2, 7, t, u,
-             f"llama3.1/README_405b.md (TP=8, PP=9, CP=2, VP=7, MBS=1); settings: {_LAUNCHER}/llama3_1_405b.yaml",
+             f"llama3.1/README_405b.md (NeMo 24.09; TP=8, PP=9, CP=2, VP=7, MBS=1); settings: "
+             f"{_LAUNCHER}/llama3_1_405b.yaml",
              ("the GPT-2 BPE vocabulary the README says the recipe uses as a proxy, padded to 51,200 (the launcher's "
               "YAML names Llama 3.1's tokenizer, 128,256)",))
        for n, t, u in ((576, 17.20, .5578), (1152, 17.52, .5476), (2304, 17.62, .5445))]
