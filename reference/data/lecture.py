@@ -25,22 +25,16 @@ def SETTINGS(width: int) -> dict[str, dict]:
             "2 layers per bucket, overlap=False": dict(bucket_cap_mb=2.05 * layer_mb, overlap=False)}
 
 
-def _exposed(trace) -> float:
-    """The step's exposed tail: communication after the last rank's backward (the step ends when the last
-    all-reduce does; waiting for a peer that started later is not the all-reduce's cost)."""
-    from ..widgets.buckets import step_exposed
-    return step_exposed(trace)
-
-
 def ddp_story(runs: dict) -> list[str]:
     """How a ``ddp_runs`` result contradicts the notebook's text (empty if it does not): one bucket is
     posted after the last gradient, so it hides nothing; overlap off exposes at least what overlap on does."""
-    from ..widgets.buckets import timeline_stats
+    from ..widgets.buckets import step_exposed, timeline_stats
     tl, broken = runs["timelines"], []
     one = timeline_stats(tl["one bucket (25 MB)"]["trace"])
     if max(s["hidden_fraction"] for s in one.values()) > 0.25:
         broken.append("one bucket hid part of its all-reduce behind backward")
-    on, off = _exposed(tl["2 layers per bucket"]["trace"]), _exposed(tl["2 layers per bucket, overlap=False"]["trace"])
+    on = step_exposed(tl["2 layers per bucket"]["trace"])
+    off = step_exposed(tl["2 layers per bucket, overlap=False"]["trace"])
     if off < on:
         broken.append(f"overlap off exposed less ({1e3 * off:.1f} ms) than overlap on ({1e3 * on:.1f} ms)")
     return broken
@@ -57,6 +51,7 @@ def ddp_runs(world_size: int = 2, layers: int = 6, width: int = 512, rows: int =
     the gradient all-reduce bytes of rank 0, and the largest parameter difference between the two.
     """
     from ..trace import Trace
+    from ..widgets.buckets import step_exposed
     timelines, no_sync = {}, {}
     with live_world(world_size, {world_size: world} if world is not None else None) as world:
         for label, kw in SETTINGS(width).items():
@@ -67,7 +62,7 @@ def ddp_runs(world_size: int = 2, layers: int = 6, width: int = 512, rows: int =
                     keep = Trace(e for e in res.trace
                                  if e.op in ("compute", "grad_ready", "backward_start", "backward_end")
                                  or (e.op == "all_reduce" and e.meta.get("what") == "grads")).relative()
-                    runs.append((_exposed(keep), keep, res.values[0]))
+                    runs.append((step_exposed(keep), keep, res.values[0]))
             _, keep, buckets = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
             timelines[label] = {"trace": keep, "buckets": buckets}
         params = {}

@@ -263,16 +263,19 @@ KORTHIKANTI_TABLE_2 = [
 ]
 
 
-def compare(runs=None, *, ceiling: float | None = None) -> list[dict]:
+def compare(runs=None, *, ceiling: float | None = None, tp_overlap: bool | None = None) -> list[dict]:
     """Each run planned with its published composition: {"run", "plan", "predicted", "published", "error"}
     (error = predicted / published step − 1; negative: the planner predicts a faster step).  ``ceiling``:
-    another GEMM ceiling for every run's cluster (e.g. the preset's own, today's)."""
+    another GEMM ceiling for every run's cluster (e.g. the preset's own, today's); ``tp_overlap``: every run's
+    TP communication hidden (True) or exposed (False) instead of as published."""
     from dataclasses import replace
 
     from .plan import plan
     out = []
     for run in (PUBLISHED_RUNS if runs is None else runs):
         cluster = run.cluster if ceiling is None else replace(run.cluster, gemm_ceiling=ceiling)
+        if tp_overlap is not None:
+            run = replace(run, comp=replace(run.comp, tp_overlap=tp_overlap))
         pl = plan(run.model, cluster, run.comp)
         out.append(dict(run=run, plan=pl, predicted=pl.step_time, published=run.step_time,
                         error=pl.step_time / run.step_time - 1))

@@ -66,8 +66,9 @@ def test_loss_and_every_gradient_equal_one_process(world, p, name):
 
 @pytest.mark.parametrize("p,name,m", [(2, "1f1b", 4), (3, "gpipe", 4), (4, "zb_h1", 5), (2, "interleaved_1f1b", 4)])
 def test_untraced_runs_post_straight_to_gloo_and_equal_one_process(world, p, name, m):
-    """Without a trace recording (torchrun, benchmarks), where nothing checks the messages' order from the
-    trace, every schedule still gives the single process's loss and gradients."""
+    """Without a trace recording (torchrun, benchmarks), where no check reads the messages' order back from the
+    trace, every schedule — its receives all posted at a sender's first wait, each straight to gloo by
+    ``comm.exchange`` — still gives the single process's loss and gradients."""
     w = world(4)
     v = 2 if name == "interleaved_1f1b" else 1
     w.record = False
