@@ -36,19 +36,23 @@ after dropping (ours before), and it computes every slot, padding included, afte
 one-hot dispatch: ``einsum("sec,sm->ecm")`` and ``einsum("sec,ecm->sm")`` cost O(T·E·C·d) =
 O(2·T²·d) per rank, quadratic in the tokens, where an index-based dispatch moves k·T rows.
 
-Where the time went (issue 28; torch.profiler, self CPU per step on rank 0 of 2, d=256, E=8, 4096 tok/rank,
-after the fixes below: padded 221 ms, dropless 209 ms; the matmuls are ~135 ms of both).  The padded path
-differed from the dropless one in its buffers, not its experts: (1) ``dispatch`` transposes the received
-(W, E_local, C, d) message to (E_local, W·C, d) and ``combine`` transposes back — two full-buffer copies
-forward and two backward; (2) out-of-place ``index_copy`` / ``index_add`` on a fresh zero buffer is
-``clone`` + in-place, another full copy each (MoELayer's loop paid one too).  ExpertParallelMoE now runs
-its experts on the message as it arrives (``parallel._dispatch_rows`` / ``_combine_rows``; ``dispatch``
-and ``combine`` keep their layout and contract) and fills its zero buffers in place (the loop as well):
-aten::copy_ fell from 19 to 6 ms per step, padded ÷ dropless step time in one process from 1.14× (median
-of 3, 1.12-1.16) to 1.09× (1.07-1.12).  What still separates them is the padding itself: zero-filled
-(E·C, d) buffers (+4 ms fill_), 25 % more rows in each all-to-all (+5 ms) and scattering into the buffer
-(+4 ms).  Ratio ours ÷ loop with 2 threads, padded, 6 alternating runs each under a second engineer's load:
-before median 0.89× (0.85-0.92), after 0.94× (0.89-0.97); dropless 0.98× (0.96-1.03) → 0.99× (0.91-1.04).
+Where the time went (issue 28; torch.profiler, self CPU per step on rank 0 of 2, d=256, E=8, 4096 tok/rank; the
+matmuls are ~135 ms of a ~200 ms step). Round 1: the padded path transposed the received (W, E_local, C, d)
+message to (E_local, W·C, d) and back (two full-buffer copies each way) and copied its zero buffers out of place;
+it now runs its experts on the message as it arrives (``parallel._dispatch_rows`` / ``_combine_rows``). Round 2:
+its buffers were still built as zeros + ``index_copy`` and read by ``index_select``, each a scatter or gather of
+the whole (E·C, d) buffer with a zero-fill, forward and backward. They are now ``_pad`` (one ``cat`` of each
+expert's contiguous rows and zero rows) and ``_unpad`` (views of the first rows of each block of C, an expert run
+once per source rank): in one run the padded path's self CPU went from 1.09× the dropless path's (1,141 vs 1,043
+ms over 5 steps) to 1.00× (971 vs 971), and in a prototype A/B (30 steps each, alternating) the CPU of both ranks
+per step went from 451 to 435 ms. What is left is not in the main thread: the padded all-to-alls carry 25 % more
+rows (10.5 against 8.4 MB each, four per step) through gloo's TCP loopback, whose copies run on the same two
+cores; in a run each took 2.5–13 ms against 1.5–2.8 ms alone (8–10 MB, output buffer reused). Overlapping the
+dispatch with the experts on the rank's own tokens (a prototype: post, compute own rows, wait, compute the rest)
+did not shorten the step on two cores — the transfer's copies need the cores the compute would use. The step's
+wall-clock also depends on what ran just before it: a contender measured right after the other one ran 3–12 %
+slower than after itself (the one-process loop most), so the repetitions interleave them and the ratios of one run
+vary by ±5 %.
 Part 2's E = 64 step spent ~16 ms more than E = 4 in ``top_k_gating``'s one-hot cumsum (O(k·T·E)) and the
 aux loss's one-hot count: now a stable sort and a bincount (same integers).  E=4 ÷ E=64 CPU time per token,
 5 alternating runs: before median 0.873 (0.822-0.899), after 0.913 (0.858-0.934).  The rest of E = 64's

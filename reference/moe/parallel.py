@@ -107,9 +107,50 @@ def _experts_per_rank(num_experts: int, group) -> tuple[int, int]:
 
 
 def _kept_assignments(routing):
-    """(t, j) of the kept assignments and their row ``e·C + slot`` in an (E·C, d) expert buffer."""
+    """(t, j) of the kept assignments and their expert e."""
     t, j = torch.nonzero(routing["kept"], as_tuple=True)
     return t, j, routing["expert_index"][t, j]
+
+
+def _by_expert(routing: dict, num_experts: int, padded: bool = False):
+    """The kept assignments sorted by (expert, slot), the order they are sent in; counts per expert.
+
+    padded: also check that each expert's slots are 0, 1, …, count - 1 (as :func:`top_k_gating` fills
+    them), so that its rows are the first ``count`` of its C in a padded buffer (:func:`_pad`)."""
+    T, k = routing["expert_index"].shape
+    t, j, e = _kept_assignments(routing)
+    order = (e * (k * T) + routing["slot"][t, j]).argsort()
+    t, j, e = t[order], j[order], e[order]
+    counts = torch.bincount(e, minlength=num_experts)
+    if padded:
+        first = torch.cumsum(counts, 0) - counts                                    # each expert's first row
+        if not torch.equal(routing["slot"][t, j], torch.arange(len(t), device=t.device) - first[e]):
+            raise ValueError("each expert's kept slots must be 0, 1, ..., count - 1 (as top_k_gating fills them)")
+    return t, j, counts
+
+
+def _pad(blocks: list[torch.Tensor], capacity: int) -> torch.Tensor:
+    """One buffer of ``capacity`` rows per block: each block's rows, then zero rows up to C.
+
+        blocks  [b0 (2, d), b1 (0, d), b2 (1, d)],  C = 2   ──▶   [b0 b0 · · b2 ·]  (3·C, d)
+
+    One copy (a ``cat``).  Its backward hands each block its own rows of the gradient: views, no copy.
+    """
+    d = blocks[0].shape[1]
+    zero = blocks[0].new_zeros(1, d)
+    parts = []
+    for b in blocks:
+        parts.append(b)
+        if b.shape[0] < capacity:
+            parts.append(zero.expand(capacity - b.shape[0], d))
+    return torch.cat(parts)
+
+
+def _unpad(buffer: torch.Tensor, counts: list[int], capacity: int) -> list[torch.Tensor]:
+    """The inverse of :func:`_pad`: the first ``counts[i]`` rows of each block of C rows, as views.
+    Its backward writes the gradient rows back in place, with zeros in the padding (one ``cat``)."""
+    sizes = [n for c in counts for n in (c, capacity - c)]
+    return list(buffer.split(sizes)[0::2])
 
 
 def dispatch(x: torch.Tensor, routing: dict, num_experts: int, capacity: int, group=None) -> torch.Tensor:
@@ -128,10 +169,9 @@ def _dispatch_rows(x: torch.Tensor, routing: dict, num_experts: int, capacity: i
     """:func:`dispatch` as it arrives, before the expert-major transpose: (W·E_local·C, d), rows
     ``s·E_local·C + e·C + c`` = slot c of local expert e from source rank s."""
     W, E_local = _experts_per_rank(num_experts, group)
-    t, j, e = _kept_assignments(routing)
-    rows = e * capacity + routing["slot"][t, j]
-    buffer = x.new_zeros(num_experts * capacity, x.shape[1]).index_copy_(0, rows, x.index_select(0, t))  # (E·C, d)
-    tokens_per_dest = torch.bincount(e // E_local, minlength=W).tolist()
+    t, _, counts = _by_expert(routing, num_experts, padded=True)          # expert e's rows, slot order
+    buffer = _pad(list(x.index_select(0, t).split(counts.tolist())), capacity)           # (E·C, d)
+    tokens_per_dest = counts.view(W, E_local).sum(1).tolist()
     return all_to_all(buffer, group=group, what="dispatch", tokens_per_dest=tokens_per_dest)
 
 
@@ -153,26 +193,15 @@ def combine(expert_out: torch.Tensor, routing: dict, num_experts: int, capacity:
 def _combine_rows(send: torch.Tensor, routing: dict, num_experts: int, capacity: int, group) -> torch.Tensor:
     """:func:`combine` from the send buffer: (W·E_local·C, d) in :func:`_dispatch_rows`' layout."""
     (W, E_local), T, d = _experts_per_rank(num_experts, group), routing["kept"].shape[0], send.shape[1]
-    t, j, e = _kept_assignments(routing)
-    tokens_back = torch.bincount(e // E_local, minlength=W).tolist()
+    t, j, counts = _by_expert(routing, num_experts, padded=True)
     back = all_to_all(send, group=group, what="combine", tokens_per_dest=[E_local * capacity] * W,
-                      tokens_per_src=tokens_back)
-    rows = e * capacity + routing["slot"][t, j]                                         # into (E·C, d)
+                      tokens_per_src=counts.view(W, E_local).sum(1).tolist())
     w = routing["weight"][t, j].unsqueeze(-1).to(back.dtype)
-    return back.new_zeros(T, d).index_add_(0, t, w * back.index_select(0, rows))
+    return back.new_zeros(T, d).index_add_(0, t, w * torch.cat(_unpad(back, counts.tolist(), capacity)))
 
 
 # ----------------------------------------------------------------------------------------------
 # Dropless: variable splits, counts first
-
-
-def _dropless_order(routing: dict, num_experts: int):
-    """All assignments sorted by (expert, slot): the order they are sent in; counts per expert."""
-    T, k = routing["expert_index"].shape
-    t, j, e = _kept_assignments(routing)
-    order = (e * (k * T) + routing["slot"][t, j]).argsort()
-    t, j, e = t[order], j[order], e[order]
-    return t, j, torch.bincount(e, minlength=num_experts)
 
 
 def dispatch_dropless(x: torch.Tensor, routing: dict, num_experts: int,
@@ -183,7 +212,7 @@ def dispatch_dropless(x: torch.Tensor, routing: dict, num_experts: int,
     expert, then slot; recv_counts (W, E_local) long, rows from source s for local expert e.
     """
     W, E_local = _experts_per_rank(num_experts, group)
-    t, _, counts = _dropless_order(routing, num_experts)
+    t, _, counts = _by_expert(routing, num_experts)
     send_splits = counts.view(W, E_local).sum(1).tolist()
     with torch.no_grad():                      # counts are integers: nothing to differentiate
         recv_counts = all_to_all(counts, [E_local] * W, [E_local] * W, group=group, what="counts",
@@ -197,7 +226,7 @@ def combine_dropless(expert_out: torch.Tensor, routing: dict, num_experts: int, 
                      group=None) -> torch.Tensor:
     """Send expert outputs (laid out as :func:`dispatch_dropless` returned) back; weighted sum (T, d)."""
     (W, _), T = _experts_per_rank(num_experts, group), routing["kept"].shape[0]
-    t, j, counts = _dropless_order(routing, num_experts)
+    t, j, counts = _by_expert(routing, num_experts)
     back = all_to_all(expert_out, recv_counts.sum(1).tolist(), counts.view(W, -1).sum(1).tolist(),
                       group=group, what="combine")
     w = routing["weight"][t, j].unsqueeze(-1).to(back.dtype)
@@ -223,14 +252,6 @@ def _filled_slots(kept_experts: torch.Tensor, num_experts: int, group) -> torch.
         counts = counts.unsqueeze(0)
     r = comm.rank(group)
     return counts[:, r * E_local:(r + 1) * E_local]
-
-
-def _filled_rows(filled: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Rows of the received (W·E_local·C, d) buffer (:func:`_dispatch_rows`) that hold a token,
-    expert by expert: ``s·E_local·C + e·C + c`` for c < filled[s, e], ordered by (e, s, c)."""
-    W, E_local = filled.shape
-    e, s, c = (torch.arange(capacity) < filled.t().unsqueeze(-1)).nonzero(as_tuple=True)   # (E_local, W, C) mask
-    return (s * E_local + e) * capacity + c
 
 
 def _world_if_none(group):
@@ -343,26 +364,27 @@ class ExpertParallelMoE(nn.Module):
                              f"{int(t[1])} and {int(-t[2])} (use dropless=True for uneven batches)")
 
     def _run_experts_padded(self, x_recv: torch.Tensor, filled: torch.Tensor, capacity: int) -> torch.Tensor:
-        """Run local expert e on the FILLED slots of its buffer only; padding rows of the output are 0.
+        """Run the local experts on the FILLED slots of the received buffer only; padding rows of the output are 0.
 
         x_recv: (W·E_local·C, d) as the dispatch all-to-all delivers it (:func:`_dispatch_rows`:
         source-major, row ``s·E_local·C + e·C + c``); filled: (W, E_local), slots of expert e that
-        source s filled (slots fill from 0, so they are c < filled[s, e]).  The output has the same
-        layout, which is the layout :func:`combine` sends back: neither side transposes the padded
+        source s filled (slots fill from 0, so they are the block's first rows).  The output has the
+        same layout, which is the layout :func:`combine` sends back: neither side transposes the padded
         (E_local, W·C, d) view that :func:`dispatch` / :func:`combine` expose, so no full-buffer copy.
         Computing the padding too (what a dense GShard layer does) would cost E·C / kept - 1 more:
         25 % at capacity factor 1.25 with perfect balance, more when tokens are dropped.  Combine
-        never reads a padding row, so its value does not matter.  One gather, one matmul pair per
-        expert, one scatter::
+        never reads a padding row, so its value does not matter.  Each block of C rows is one
+        (source, expert) pair; an expert runs once per source, on the rows already contiguous there::
 
-            x_recv (W·E_local·C, d) ──index_select(rows)──▶ (kept, d) ──split──▶ FFN_0 … FFN_last
-                                                                             │ cat
-            out    (W·E_local·C, d) ◀──zeros.index_copy_(rows)────────────────┘
+            x_recv  [s0e0 · ][s0e1 ··][s1e0   ][s1e1 · ]   ──_unpad──▶ views ──FFN_e──▶ outputs
+            out     [y    · ][y    ··][y      ][y    · ]   ◀──_pad (one cat, zero rows)───────┘
+
+        Every expert runs, even on 0 rows: the backward graph must reach the dispatch all-to-all
+        on every rank, or a rank whose experts got nothing would leave its peers waiting.
         """
-        rows = _filled_rows(filled, capacity)
-        parts = x_recv.index_select(0, rows).split(filled.sum(0).tolist())
-        out = torch.cat([expert(part) for expert, part in zip(self.local_experts(), parts)])
-        return x_recv.new_zeros(x_recv.shape).index_copy_(0, rows, out)
+        experts = self.local_experts()
+        blocks = _unpad(x_recv, filled.flatten().tolist(), capacity)                  # (s, e) order
+        return _pad([experts[i % len(experts)](b) for i, b in enumerate(blocks)], capacity)
 
     def _run_experts_dropless(self, x_recv: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
         """Run local expert e on its rows of ``x_recv`` (grouped source-major, see dispatch_dropless).

@@ -125,6 +125,38 @@ def test_padded_experts_compute_the_filled_slots_only(results, W, name):
     assert sum(int(v["dispatched"]) for v in vals) < 8 * vals[0]["capacity"] * W   # some padding exists
 
 
+def test_pad_puts_each_block_at_its_slots_and_unpad_is_its_adjoint():
+    """The padded buffers are built by _pad (one cat, zero rows after each block) and read back by
+    _unpad (views): in value, block i's rows at i·C …; in gradient, <pad(b), g> = <b, unpad(g)>."""
+    from reference.moe.parallel import _pad, _unpad
+    g = torch.Generator().manual_seed(0)
+    counts, C, d = [2, 0, 3, 1], 3, 4
+    blocks = [torch.randn(n, d, dtype=torch.float64, generator=g).requires_grad_() for n in counts]
+    buf = _pad(blocks, C)
+    want = torch.zeros(len(counts) * C, d, dtype=torch.float64)
+    for i, b in enumerate(blocks):
+        want[i * C:i * C + len(b)] = b.detach()
+    assert torch.equal(buf.detach(), want)
+    assert all(torch.equal(u, b.detach()) for u, b in zip(_unpad(buf.detach(), counts, C), blocks))
+    grad = torch.randn(buf.shape, dtype=torch.float64, generator=g)
+    buf.backward(grad)
+    for b, u in zip(blocks, _unpad(grad, counts, C)):
+        assert torch.equal(b.grad, u)
+
+
+def test_a_routing_whose_slots_skip_a_place_is_refused_by_the_padded_path():
+    from reference.moe.parallel import _by_expert
+    from reference.moe.routing import top_k_gating
+    routing = top_k_gating(torch.randn(16, 4, generator=torch.Generator().manual_seed(1)), 2, 8)
+    _by_expert(routing, 4, padded=True)                                   # as top_k_gating fills them: fine
+    t, j = torch.nonzero(routing["kept"], as_tuple=True)
+    bad = dict(routing, slot=routing["slot"].clone())
+    bad["slot"][t[0], j[0]] += 1                                          # a hole (or a clash) in expert's slots
+    with pytest.raises(ValueError, match="slots must be 0, 1"):
+        _by_expert(bad, 4, padded=True)
+    _by_expert(bad, 4)                                                    # dropless: any order will do
+
+
 def test_skewed_dropless_routing_leaves_rank_pairs_that_send_nothing(results):
     res = results(4, "dropless_top2_skewed_uneven_T")
     for r in range(4):
