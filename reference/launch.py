@@ -48,7 +48,7 @@ from multiprocessing import connection as mpc
 from typing import Any
 
 from . import trace as _trace
-from .rank_program import START_TIMEOUT, _main_path
+from .rank_program import START_TIMEOUT, _main_path, keep_freed_memory
 
 __all__ = ["run_world", "World", "WorldError", "WorldResult", "RankFailure"]
 
@@ -210,6 +210,7 @@ class World:
 
         import torch.distributed as dist
 
+        keep_freed_memory()                          # here too: peers timed in this process run alike
         t0 = time.perf_counter()
         self._store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=START_TIMEOUT),
                                     wait_for_workers=False)

@@ -197,3 +197,14 @@ def test_raw_batch_isend_irecv_is_traced_and_a_second_wait_does_not_hang(world):
 def test_subgroups_get_the_worlds_timeout_not_torchs_30_minutes(world):
     values = world(2).run(W.subgroup_timeout).values
     assert values == [120.0, 120.0]   # session worlds: timeout=60 s, process groups max(2·60, 120) s
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_ranks_keep_freed_memory_for_the_next_step_unless_told_not_to(monkeypatch, no_orphans):
+    """A 20 MB block a rank frees stays in its heap for the next step (no fresh pages to fault in);
+    with COURSE_KEEP_FREED_MEMORY=0 glibc maps and unmaps it, its default."""
+    with World(2, timeout=30) as world:
+        assert world.run(W.freed_block_stays_in_the_heap).values == [(False, True)] * 2
+    monkeypatch.setenv("COURSE_KEEP_FREED_MEMORY", "0")
+    with World(1, timeout=30) as world:
+        assert world.run(W.freed_block_stays_in_the_heap).values == [(True, False)]

@@ -126,3 +126,23 @@ def subgroup_timeout():
     """The timeout comm.new_group gives a subgroup inside a launched world."""
     comm.new_group(list(range(dist.get_world_size())))
     return comm._default_timeout()
+
+
+def freed_block_stays_in_the_heap(nbytes: int = 20 << 20) -> tuple[bool, bool]:
+    """(came from mmap, stayed in malloc's free list after free) for one ``nbytes`` block: glibc's
+    ``mallinfo2`` before and after.  By default glibc maps a block this large on its own and unmaps
+    it on free; with reference.rank_program.keep_freed_memory it comes from the heap and stays."""
+    import ctypes
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype, libc.malloc.restype, libc.free.argtypes = Mallinfo2, ctypes.c_void_p, [ctypes.c_void_p]
+    mapped_before = libc.mallinfo2().hblkhd
+    p = libc.malloc(nbytes)
+    ctypes.memset(p, 1, nbytes)
+    mapped = libc.mallinfo2().hblkhd - mapped_before >= nbytes
+    libc.free(p)
+    return mapped, libc.mallinfo2().fordblks >= nbytes
