@@ -45,14 +45,19 @@ the whole (E·C, d) buffer with a zero-fill, forward and backward. They are now 
 expert's contiguous rows and zero rows) and ``_unpad`` (views of the first rows of each block of C, an expert run
 once per source rank): in one run the padded path's self CPU went from 1.09× the dropless path's (1,141 vs 1,043
 ms over 5 steps) to 1.00× (971 vs 971), and in a prototype A/B (30 steps each, alternating) the CPU of both ranks
-per step went from 451 to 435 ms. What is left is not in the main thread: the padded all-to-alls carry 25 % more
-rows (10.5 against 8.4 MB each, four per step) through gloo's TCP loopback, whose copies run on the same two
-cores; in a run each took 2.5–13 ms against 1.5–2.8 ms alone (8–10 MB, output buffer reused). Overlapping the
-dispatch with the experts on the rank's own tokens (a prototype: post, compute own rows, wait, compute the rest)
-did not shorten the step on two cores — the transfer's copies need the cores the compute would use. The step's
-wall-clock also depends on what ran just before it: a contender measured right after the other one ran 3–12 %
-slower than after itself (the one-process loop most), so the repetitions interleave them and the ratios of one run
-vary by ±5 %.
+per step went from 451 to 435 ms. Round 3: each rank faulted in 2,500–11,000 fresh pages per step (the
+all-to-alls' outputs and the padded buffers: glibc had given the last step's back); the launcher now keeps freed
+memory in the ranks and in this process alike (``reference.rank_program.keep_freed_memory``), 0 faults per step,
+and padded d=256 read 0.93×, 0.96× and 0.95× in three runs, against 0.87–0.95× in six runs today without it. It
+speeds part 2's E = 4 up by ~4 % and E = 64 not at all (CPU µs/token 33.7/35.3 against 35.9/36.1, and 40.3/39.9
+against 39.7/40.2), so part 2's ratio reads lower with it (0.84, 0.86 against 0.92, 0.87). What is left is not in
+the main thread: the padded all-to-alls carry 25 % more rows (10.5 against 8.4 MB each, four per step) through
+gloo's TCP loopback, whose copies run on the same two cores; in a run each took 2.5–13 ms against 1.5–2.8 ms alone
+(8–10 MB, output buffer reused). Overlapping the dispatch with the experts on the rank's own tokens (a prototype:
+post, compute own rows, wait, compute the rest) did not shorten the step on two cores — the transfer's copies need
+the cores the compute would use. The step's wall-clock also depends on what ran just before it: a contender
+measured right after the other one ran 3–12 % slower than after itself (the one-process loop most), so the
+repetitions interleave them and the ratios of one run vary by ±5 %.
 Part 2's E = 64 step spent ~16 ms more than E = 4 in ``top_k_gating``'s one-hot cumsum (O(k·T·E)) and the
 aux loss's one-hot count: now a stable sort and a bincount (same integers).  E=4 ÷ E=64 CPU time per token,
 5 alternating runs: before median 0.873 (0.822-0.899), after 0.913 (0.858-0.934).  The rest of E = 64's
