@@ -94,7 +94,7 @@ def keep_freed_memory() -> bool:
     A training step allocates and frees the same large buffers every step: an all-to-all's message
     and its output, activations, gradients.  By default glibc gives blocks above a moving threshold
     back to the kernel and trims the top of its heap, so the next step faults fresh pages in again:
-    ~10,000 minor page faults per step on each rank of expert parallelism's benchmark (d = 256, 10 MB
+    2,500-11,000 minor page faults per step on each rank of expert parallelism's benchmark (d = 256, 10 MB
     messages), none with this.  Here blocks up to 32 MiB (the largest threshold glibc accepts) come
     from the heap, and up to 1 GiB of free heap stays mapped.  PyTorch's CPU performance guide gets
     the same from jemalloc or tcmalloc.  Every rank calls it at start, and so does the process that
