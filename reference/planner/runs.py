@@ -42,7 +42,7 @@ bytes, with s, b, h, a, t the sequence, micro-batch, hidden size, heads and tens
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .hardware import A100_GEMM_2022, PRESETS
 from .model import Cluster, Composition, Model
@@ -199,7 +199,6 @@ def _gpt3_175b(gpus: int) -> Model:
     """nemo_megatron/gpt3_175b_hydra.yaml: GPT-3 (96 × 12,288, 96 heads, FFN 4h, LayerNorm, biases, learned
     positions, tied embeddings, dropout 0.1), sequence 2,048, GPT-2 BPE (50,257) padded to a multiple of
     128 · tp = 512: 50,688; global batch 16 per node."""
-    from dataclasses import replace
     return replace(gpt("GPT-3 175B", 96, 12288, 96, batch=2 * gpus, micro_batch=1, source=f"{_DGXC}, GPT-3 175B"),
                    vocab=50688)
 
@@ -268,8 +267,6 @@ def compare(runs=None, *, ceiling: float | None = None, tp_overlap: bool | None 
     (error = predicted / published step − 1; negative: the planner predicts a faster step).  ``ceiling``:
     another GEMM ceiling for every run's cluster (e.g. the preset's own, today's); ``tp_overlap``: every run's
     TP communication hidden (True) or exposed (False) instead of as published."""
-    from dataclasses import replace
-
     from .plan import plan
     out = []
     for run in (PUBLISHED_RUNS if runs is None else runs):

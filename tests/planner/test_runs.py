@@ -75,7 +75,7 @@ def test_held_out_h100_runs_stay_within_the_worst_bound():
         assert run.published_step is not None and run.comp.tp_overlap and run.comp.distributed_optimizer
         print(f"{run.name:42s} published {r['published']:6.2f} s  predicted {r['predicted']:6.2f} s  "
               f"{r['error']:+.1%}   TP exposed {x['error']:+.1%}   MFU {pl.mfu:.1%} (the recipe: "
-              f"{run.tflops_per_gpu / 989:.1%})   {pl.total_memory / P.GB:.1f} GB")
+              f"{run.tflops_per_gpu * 1e12 / run.cluster.flops:.1%})   {pl.total_memory / P.GB:.1f} GB")
         assert abs(r["error"]) <= 0.20
         assert x["predicted"] > r["predicted"] and not x["run"].comp.tp_overlap   # the switch reaches the plan
 
