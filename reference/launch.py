@@ -157,12 +157,14 @@ class World:
     threads:  torch threads per rank (1 by default: ranks share the machine's cores)
     echo:     print what ranks print, prefixed ``[rank r]``, as it arrives
     record:   record trace events in the ranks during :meth:`run`
+    keep_freed_memory:  ranks keep freed memory for the next step (:func:`reference.rank_program.keep_freed_memory`);
+              False leaves glibc's defaults, under which a resident-memory peak measures what a step allocates
 
     After a failure the ranks are stopped; the next :meth:`run` starts fresh ones.
     """
 
     def __init__(self, world_size: int, *, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 threads: int = 1, echo: bool = True, record: bool = True):
+                 threads: int = 1, echo: bool = True, record: bool = True, keep_freed_memory: bool = True):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
         if backend not in (None, "gloo", "nccl"):
@@ -175,6 +177,7 @@ class World:
         self.threads = threads
         self.echo = echo
         self.record = record
+        self.keep_freed_memory = keep_freed_memory
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._status: list[Any] = []
@@ -224,6 +227,9 @@ class World:
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
         env["OMP_NUM_THREADS"] = str(self.threads)
         env.pop("TORCHELASTIC_RUN_ID", None)
+        if not self.keep_freed_memory:               # glibc's defaults, for measuring peak resident memory:
+            env["COURSE_KEEP_FREED_MEMORY"] = "0"    # large blocks mapped on their own and unmapped when freed
+            env["MALLOC_MMAP_THRESHOLD_"] = str(64 << 10)
         for rank in range(self.world_size):
             parent_sock, child_sock = socket.socketpair()
             p = self._spawn_rank(rank, child_sock.fileno(), cfg, env)

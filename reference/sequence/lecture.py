@@ -101,12 +101,26 @@ def ring_timeline(seq_len: int = 4096, world_size: int = 2, heads: int = 4, head
     return {"trace": res.trace, "seconds": max(v["seconds"] for v in res.values[:world_size])}
 
 
+def memory_formula(seq_len: int, world_size: int, heads: int = 2, head_dim: int = 64, itemsize: int = 4) -> int:
+    """Bytes a causal explicit-kernel attention forward adds per rank: 3·n²·H·b + 3·n·H·D·b, n = L/W.
+
+    Three score-sized temporaries of one block (scores, probabilities, the mask's select) and the
+    block's inputs; the score term falls as 1/W² (lecture 5a, section 7)."""
+    n = seq_len // world_size
+    return 3 * n * n * heads * itemsize + 3 * n * heads * head_dim * itemsize
+
+
 @recordable("05a.memory", needs=("5a.2", "5a.3"))
 def memory_per_rank(lengths: tuple = (1024, 2048), sizes: tuple = (1, 2, 4), heads: int = 2, head_dim: int = 64,
                     world=None) -> list[dict]:
-    """Peak memory a causal explicit-kernel attention forward adds per rank, for each (L, W)."""
+    """Peak memory a causal explicit-kernel attention forward adds per rank, for each (L, W).
+
+    Measured in ``world`` if it was started with ``keep_freed_memory=False`` (glibc's defaults), else in a
+    world of 4 started here: ranks that keep freed memory never raise their resident high-water mark."""
+    from ..launch import World
     rows = []
-    with _world4(world) as w:
+    own = world is None or getattr(world, "keep_freed_memory", True)
+    with (World(4, timeout=60, echo=False, keep_freed_memory=False) if own else _world4(world)) as w:
         w.run(peak_memory_worker, 512, 2, heads=heads, head_dim=head_dim)            # warm-up
         for L in lengths:
             for W in sizes:

@@ -127,9 +127,15 @@ def peak_memory_worker(seq_len: int, world_size: int, kernel: str = "explicit", 
 
     world_size 1 is one device computing attention of the whole sequence at once.  The peak is
     read from /proc (VmHWM, reset through /proc/self/clear_refs), so it counts every byte the
-    process touched: inputs, K/V buffers, the scores of the block being computed.
+    process touched: inputs, K/V buffers, the scores of the block being computed.  Only in a world
+    started with ``keep_freed_memory=False``: ranks that keep freed blocks for reuse never raise the
+    high-water mark, whatever a step allocates.
     """
     import gc
+    import os
+    if os.environ.get("COURSE_KEEP_FREED_MEMORY") != "0":
+        raise ValueError("peak_memory_worker reads resident memory, which ranks that keep freed memory never "
+                         "raise: run it in World(n, keep_freed_memory=False)")
     group = comm.first_ranks_group(world_size) if world_size > 1 else None
     r = comm.rank()
     if r >= world_size:

@@ -293,3 +293,27 @@ def test_a_trace_without_compute_events_shows_the_blocks_the_ring_order_implies(
         assert bare.holds == full.holds and bare.pairs == full.pairs and (bare.owner == full.owner).all()
     bare = ringw.ring_state([], 2, world_size=3, layout="contiguous", causal=True, seq_len=L)
     assert bare.holds_from == [1, 2, 0] and bare.computed == [False, False, True]   # only rank 2 looks back
+
+
+
+def test_peak_memory_per_rank_is_the_formula_in_a_world_with_glibc_defaults():
+    """Lecture 5a section 7: the peak a causal explicit-kernel forward adds per rank is 3·n²·H·b + 3·n·H·D·b,
+    within 30 % at L = 2048 on W = 1 and 2, twice in the same world (the second on a heap the first has used)."""
+    from reference.launch import World
+    from reference.sequence import lecture
+    with World(2, timeout=60, echo=False, keep_freed_memory=False) as w:
+        for _ in range(2):
+            rows = lecture.memory_per_rank(lengths=(2048,), sizes=(1, 2), heads=2, head_dim=64, world=w)
+            if any(r["peak"] is None for r in rows):
+                pytest.skip("/proc/self/clear_refs is not available here")
+            for r in rows:
+                ratio = r["peak"] / lecture.memory_formula(r["L"], r["W"], 2, 64, 4)
+                assert 0.7 <= ratio <= 1.3, (r, ratio)
+
+
+def test_peak_memory_is_refused_in_ranks_that_keep_freed_memory(world):
+    """Ranks that keep freed memory never raise their high-water mark: the worker refuses to measure there
+    (memory_per_rank, handed such a world, measures in one of its own instead)."""
+    from reference.launch import WorldError
+    with pytest.raises(WorldError, match="keep_freed_memory=False"):
+        world(2).run(workers.peak_memory_worker, 256, 2, heads=2, head_dim=64)
