@@ -39,8 +39,8 @@ NAME = "splitting-the-work"
 
 # What a release holds (relative to the repository root); caches and checkpoints never.
 STUDENT_PATHS = ["notebooks", "reference", "exercises", "scripts", "pyproject.toml", "README.md",
-                 "environment.yml", "Makefile", "LICENSE"]
-AUTOGRADER_PATHS = ["reference", "exercises", "scripts", "pyproject.toml", "README.md"]
+                 "environment.yml", "Makefile", "LICENSE", "LICENSE-CONTENT"]
+AUTOGRADER_PATHS = ["reference", "exercises", "scripts", "pyproject.toml", "README.md", "LICENSE", "LICENSE-CONTENT"]
 
 
 def _zip(src_dir: Path, zip_path: Path, prefix: str = "") -> None:

@@ -42,6 +42,8 @@ def test_bundle_has_gradescope_scripts_at_its_root_full_reference_and_hidden_che
     assert subprocess.run(["bash", "-n", str(bundle / "setup.sh")]).returncode == 0
     assert subprocess.run(["bash", "-n", str(bundle / "run_autograder")]).returncode == 0
     assert "torch==2.13.0" in (bundle / "scripts" / "bootstrap.py").read_text()
+    for name in ("LICENSE", "LICENSE-CONTENT"):          # the bundle carries both licences
+        assert (bundle / name).read_text() == (ROOT / name).read_text()
 
 
 def test_run_autograder_grades_a_submission_end_to_end(bundle, tmp_path, no_orphans):

@@ -119,6 +119,13 @@ def test_release_has_no_hidden_checks_no_oracle_of_its_own_and_a_zip(built):
         assert "hidden_check(\"" not in p.read_text()
 
 
+def test_release_carries_both_licences(built):
+    for name in ("LICENSE", "LICENSE-CONTENT"):
+        assert (built / name).read_text() == (ROOT / name).read_text()
+    assert "Apache License" in (built / "LICENSE").read_text()
+    assert "Attribution 4.0 International" in (built / "LICENSE-CONTENT").read_text()
+
+
 def test_release_grader_scores_untouched_stubs_zero_saying_not_implemented(built, tmp_path):
     doc = grade_in(built, tmp_path, IDS)
     assert doc["score"] == 0 and doc["tests"]
