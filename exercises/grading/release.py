@@ -92,7 +92,8 @@ def build_student(out: Path, ids=None, *, make_zip: bool = True, timeout: float 
     (dest / "README.md").write_text((ROOT / "docs" / "students.md").read_text())     # written for students
     (dest / "Makefile").write_text(student_makefile((ROOT / "Makefile").read_text()))
     stripped = strip_solutions(dest, registry)
-    torch.save(answers, dest / "exercises" / "grading" / "oracle_answers.pt")
+    from .harness import plain
+    torch.save(plain(answers, strict=True), dest / "exercises" / "grading" / "oracle_answers.pt")   # read weights_only
     from reference.notebook import recorded
     demos = recorded.record_all(dest / "reference" / "_recorded", progress=None)
     (dest / "RELEASE.txt").write_text(

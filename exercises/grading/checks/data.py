@@ -15,8 +15,9 @@ import random
 
 import torch
 
-from ..core import exercise
+from ..core import CheckFailed, exercise
 from ..feedback import Mismatch
+from ..referee import MARK, POST
 
 H = "exercises.grading.harness.data"
 
@@ -28,10 +29,15 @@ ALLREDUCE = exercise("3.1", "The gradient all-reduce: a mean over ranks", "data"
                      comm=("all_reduce",))
 BUCKETS = exercise("3.2", "Buckets, overlapped with backward", "data",
                    ["assign_buckets", "grad_ready", "finish_buckets"],
-                   comm=("all_reduce", "all_gather"), driver_comm=("broadcast",), shortcuts=("ddp",))
+                   comm=("all_reduce", "all_gather"), driver_comm=("broadcast",), shortcuts=("ddp",),
+                   counted=("all_reduce",))
+# 3.3: before the learner's zero_step sees them, the parameters outside this rank's shard are garbage
+# (harness.data.garble_outside_shard): only a step that all-gathers the owners' shards is right.
 ZERO = exercise("3.3", "A ZeRO-1/2 optimizer step: reduce, update my shard, all-gather", "data", ["zero_step"],
                 comm=("all_reduce", "reduce_scatter", "all_gather"), driver_comm=("broadcast",),
-                shortcuts=("zero_redundancy_optimizer", "ddp", "fsdp"))
+                shortcuts=("zero_redundancy_optimizer", "ddp", "fsdp"),
+                before={"zero_step": "exercises.grading.harness.data:garble_outside_shard"},
+                mirrors=("reference.data.zero:ShardBuckets",))
 ZERO3 = exercise("3.4", "ZeRO-3's collectives: gather before use, reduce-scatter the gradient", "data",
                  ["gather_full_params", "reduce_scatter_grad"], comm=("all_gather", "reduce_scatter"),
                  driver_comm=("broadcast",), shortcuts=("fsdp", "zero_redundancy_optimizer"))
@@ -96,6 +102,12 @@ def _single(ctx, kind: str, opt: str, W: int, **kw) -> dict:
     return workers.train("single", kind, opt, world_size=W, **kw)
 
 
+def _data_seeds(ctx, seed: int, W: int) -> list[int]:
+    """A seed of its own for each rank's micro-batches (rank r is sent its own only: no rank can make
+    another's batches, so no rank can compute the mean gradient without the others)."""
+    return [ctx.seed(1000 * seed + 1 + r) for r in range(W)]
+
+
 def _compare_params(ctx, res, truth, W, case, start=None, detectors=()):
     """Compare each rank's parameters, or their update (after − ``start``) when ``start`` is given."""
     for r, v in enumerate(res.values):
@@ -121,7 +133,7 @@ def _grads(ctx, W: int, seed: int, scale: float = 1.0, dtype=torch.float64):
 
 def _allreduce_case(ctx, W: int, seed: int, scale: float = 1.0, dtype=torch.float64):
     per_rank = _grads(ctx, W, seed, scale, dtype)
-    res = ctx.ranks(W, f"{H}:grads_per_rank", per_rank)
+    res = ctx.ranks(W, f"{H}:grads_per_rank", per_rank=per_rank)
     for r, got in enumerate(res.values):
         for i, g in enumerate(per_rank[0]):
             if g is None:
@@ -184,8 +196,9 @@ def _(ctx):
 
 def _ddp_case(ctx, W: int, kind: str, seed: int, case: str, **kw):
     kw = dict(steps=1, seed=ctx.seed(seed), **kw)
-    res = ctx.ranks(W, f"{H}:train_per_rank", "ddp", kind, "sgd", kw)
-    truth = _single(ctx, kind, "sgd", W, **kw)
+    data = _data_seeds(ctx, seed, W)
+    res = ctx.ranks(W, f"{H}:train_per_rank", "ddp", kind, "sgd", kw, per_rank=data)
+    truth = _single(ctx, kind, "sgd", W, data_seed=data, **kw)
     for r, v in enumerate(res.values):
         for n, want in truth["grads"].items():
             ctx.compare(v["grads"].get(n), want, f"gradient of {n} after backward", rank=r, world_size=W,
@@ -212,11 +225,12 @@ def _(ctx):
 
     from reference.data import workers
     W, seed = 2, ctx.seed(317)
-    res = ctx.ranks(W, f"{H}:unused_per_rank", 200 / 2 ** 20, seed, timeout=30)
+    data = _data_seeds(ctx, 317, W)
+    res = ctx.ranks(W, f"{H}:unused_per_rank", 200 / 2 ** 20, seed, per_rank=data, timeout=30)
     torch.manual_seed(seed)
     model = workers.Branchy().double()
-    loss = sum(F.mse_loss(model(workers.batch("mlp", seed, 0, 0, r, d=4)[0], use_b=r == 0),
-                          workers.batch("mlp", seed, 0, 0, r, d=4)[1]) for r in range(W)) / W
+    loss = sum(F.mse_loss(model(workers.batch("mlp", data[r], 0, 0, 0, d=4)[0], use_b=r == 0),
+                          workers.batch("mlp", data[r], 0, 0, 0, d=4)[1]) for r in range(W)) / W
     loss.backward()
     for r, got in enumerate(res.values):
         for n, p in model.named_parameters():
@@ -236,8 +250,46 @@ def posted_too_late(m: Mismatch) -> str | None:
     return None
 
 
+def judge_posts(comm: list, layout: list[list[int]], sizes: list[int]) -> None:
+    """From the referee's log (kept in the runner): after each call of grad_ready, every bucket that was
+    complete by then has been posted — its elements all-reduced, in bucket order — and in all exactly
+    the buckets' elements are (each bucket once)."""
+    bucket_sizes = [sum(sizes[j] for j in idx) for idx in layout]
+    total = sum(bucket_sizes)
+    for r, log in enumerate(comm):
+        posted, calls, done_by = 0, 0, []
+        arrived, complete = [0] * len(layout), 0
+        for b, idx in enumerate(layout):          # how many buckets are complete after each grad_ready call
+            for _ in idx:
+                arrived[b] += 1
+                while complete < len(layout) and arrived[complete] == len(layout[complete]):
+                    complete += 1
+                done_by.append(sum(bucket_sizes[:complete]))
+        for op, peer, n, _ok in log:
+            if op == POST:
+                posted += n
+            elif op == MARK:
+                if calls < len(done_by) and posted < done_by[calls]:
+                    late = next(b for b in range(len(layout)) if sum(bucket_sizes[:b + 1]) > posted)
+                    raise CheckFailed(
+                        f"rank {r}: after grad_ready's call number {calls + 1} bucket {late} was complete but "
+                        f"its all-reduce had not been posted (the grader counted {posted} of the "
+                        f"{done_by[calls]} elements that were due by then). Overlap means the bucket's "
+                        "all-reduce leaves from grad_ready the moment its last gradient arrives — a copy "
+                        "reduced later in finish_buckets is no overlap.")
+                calls += 1
+        if calls != len(done_by):
+            raise CheckFailed(f"rank {r}: the grader saw {calls} of the harness's {len(done_by)} grad_ready steps: "
+                              "something in your code interfered with the grader's own messages.")
+        if posted != total:
+            raise CheckFailed(f"rank {r} all-reduced {posted} elements in all; the buckets hold {total}: each "
+                              "bucket is reduced exactly once (" + ("something was reduced twice — a copy posted "
+                              "and the real gradients reduced again later?)" if posted > total else
+                              "some bucket was never reduced)."))
+
+
 @BUCKETS.check("overlap, shown in values: a bucket's all-reduce leaves from grad_ready, with the gradients it had "
-               "when it was complete (3 ranks)", points=2)
+               "when it was complete (3 ranks); the grader counts each post as grad_ready returns", points=2)
 def _(ctx):
     W = 3
     rng = random.Random(ctx.seed(315))
@@ -247,7 +299,8 @@ def _(ctx):
     layout = [list(range(a, b)) for a, b in zip([0] + cuts, cuts + [len(sizes)])]
     grads = [[torch.randn(n, generator=g, dtype=torch.float64) for n in sizes] for _ in range(W)]
     garbage = [[torch.randn(n, generator=g, dtype=torch.float64) * 1000 for n in sizes] for _ in range(W)]
-    res = ctx.ranks(W, f"{H}:overlap_per_rank", grads, garbage, layout)
+    res = ctx.ranks(W, f"{H}:overlap_per_rank", layout, per_rank=[(grads[r], garbage[r]) for r in range(W)])
+    judge_posts(res.comm, layout, sizes)
     for r, got in enumerate(res.values):
         ctx.expect(isinstance(got, list) and len(got) == len(sizes), f"rank {r}: finish_buckets left "
                    f"{type(got).__name__} gradients; every parameter's .grad must hold the mean.")
@@ -262,7 +315,7 @@ def _(ctx):
                points=0)
 def _(ctx):
     kw = dict(steps=1, seed=ctx.seed(314), bucket_cap_mb=256 / 2 ** 20)
-    res = ctx.ranks(2, f"{H}:train_per_rank", "ddp", "block", "sgd", kw)
+    res = ctx.ranks(2, f"{H}:train_per_rank", "ddp", "block", "sgd", kw, per_rank=_data_seeds(ctx, 314, 2))
     for r in range(2):
         ready = sorted(e["start"] for e in res.events("grad_ready", rank=r))
         ars = [e for e in res.events("all_reduce", rank=r) if e["meta"].get("what") == "grads"]
@@ -319,9 +372,10 @@ def wrong_shard(m: Mismatch) -> str | None:
 
 def _zero_case(ctx, W: int, stage: int, kind: str, opt: str, seed: int, steps: int):
     kw = dict(steps=steps, seed=ctx.seed(seed), return_grads=False)
-    res = ctx.ranks(W, f"{H}:train_per_rank", f"zero{stage}", kind, opt, kw)
-    truth = _single(ctx, kind, opt, W, **kw)
-    start = _single(ctx, kind, opt, W, **{**kw, "steps": 0})["params"]
+    data = _data_seeds(ctx, seed, W)
+    res = ctx.ranks(W, f"{H}:train_per_rank", f"zero{stage}", kind, opt, kw, per_rank=data)
+    truth = _single(ctx, kind, opt, W, data_seed=data, **kw)
+    start = _single(ctx, kind, opt, W, data_seed=data, **{**kw, "steps": 0})["params"]
     from reference.data.models import make_model
     from reference.data.zero import shard_size
     model = make_model(kind)
@@ -407,7 +461,7 @@ def _(ctx):
     W, S = 3, 5
     g = torch.Generator().manual_seed(ctx.seed(331))
     shards = [torch.randn(S, generator=g, dtype=torch.float64) for _ in range(W)]
-    res = ctx.ranks(W, f"{H}:collective_per_rank", "gather_full_params", shards, {"layer": "check"})
+    res = ctx.ranks(W, f"{H}:collective_per_rank", "gather_full_params", {"layer": "check"}, per_rank=shards)
     want = torch.cat(shards)
     for r, got in enumerate(res.values):
         ctx.compare(got, want, "gathered parameters", rank=r, world_size=W, atol=0, rtol=0,
@@ -421,7 +475,7 @@ def _(ctx):
     grads = [torch.randn(W * S, generator=g, dtype=torch.float64) * 100 for _ in range(W)]
     mean = torch.stack(grads).mean(0)
     chunks = list(mean.split(S))
-    res = ctx.ranks(W, f"{H}:collective_per_rank", "reduce_scatter_grad", grads, {"layer": "check"})
+    res = ctx.ranks(W, f"{H}:collective_per_rank", "reduce_scatter_grad", {"layer": "check"}, per_rank=grads)
     for r, got in enumerate(res.values):
         ctx.compare(got, chunks[r], "gradient shard", rank=r, world_size=W, atol=1e-12, rtol=1e-12,
                     detectors=[wrong_chunk], extra={"chunks": chunks})
@@ -431,12 +485,14 @@ def _(ctx):
              points=2)
 def _(ctx):
     kw = dict(steps=2, seed=ctx.seed(333), return_grads=False)
-    res = ctx.ranks(2, f"{H}:train_per_rank", "fsdp", "block", "adamw", kw)
-    _compare_params(ctx, res, _single(ctx, "block", "adamw", 2, **kw), 2, "W=2, block, FSDP")
+    data = _data_seeds(ctx, 333, 2)
+    res = ctx.ranks(2, f"{H}:train_per_rank", "fsdp", "block", "adamw", kw, per_rank=data)
+    _compare_params(ctx, res, _single(ctx, "block", "adamw", 2, data_seed=data, **kw), 2, "W=2, block, FSDP")
 
 
 @ZERO3.check("3 ranks (uneven shards), MLP with a tied weight, 3 SGD steps = one process", points=2)
 def _(ctx):
     kw = dict(steps=3, seed=ctx.seed(334), return_grads=False)
-    res = ctx.ranks(3, f"{H}:train_per_rank", "fsdp", "mlp", "sgd", kw)
-    _compare_params(ctx, res, _single(ctx, "mlp", "sgd", 3, **kw), 3, "W=3, MLP, FSDP")
+    data = _data_seeds(ctx, 334, 3)
+    res = ctx.ranks(3, f"{H}:train_per_rank", "fsdp", "mlp", "sgd", kw, per_rank=data)
+    _compare_params(ctx, res, _single(ctx, "mlp", "sgd", 3, data_seed=data, **kw), 3, "W=3, MLP, FSDP")

@@ -50,7 +50,7 @@ def dense_not_averaged(m: Mismatch) -> str | None:
 
 def _grad_sync_case(ctx, W: int, ep: int, seed: int, case: str):
     data = ctx.oracle(f"{ORACLES}:ep_dp_local_grads", W, ep, seed)
-    res = ctx.ranks(W, f"{H}:grad_sync_per_rank", data["dense"], data["experts"], ep)
+    res = ctx.ranks(W, f"{H}:grad_sync_per_rank", ep, per_rank=list(zip(data["dense"], data["experts"])))
     for r, v in enumerate(res.values):
         for i, (g, want) in enumerate(zip(v["dense"], data["want_dense"])):
             ctx.compare(g, want, f"dense (router) gradient {i}", rank=r, world_size=W, atol=1e-12, rtol=1e-10,
