@@ -88,6 +88,9 @@ def top_k_gating(logits: torch.Tensor, k: int, capacity: int | None) -> dict[str
     Slot order: all first choices in token order, then all second choices, ...  The assignment
     (t, j) to expert e takes slot = number of assignments to e that come before it in the order
     (j=0, t=0), (j=0, t=1), ..., (j=0, t=T-1), (j=1, t=0), ...; it is kept if slot < capacity.
+
+    Graded on: probs, expert_index, weight, kept and slot for top-1 and top-2, with and without dropping, dropless,
+    float32 and bfloat16 logits.
     """
     T, E = logits.shape
     if not 1 <= k <= E:
@@ -167,6 +170,9 @@ def load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor, num_exp
     gradients over the ranks (:func:`reference.moe.sync_moe_gradients`), which would weaken the
     loss to α/W: the expert-parallel layer therefore scales this gradient by W
     (:func:`reference.moe.parallel.mean_share`; lecture 5b, "the balance loss under data parallelism").
+
+    Graded on: the loss on 1–4 ranks with uneven token counts (every rank the whole batch's), uniform and collapsed
+    routers, and the gradient reaching each rank's own tokens only; each rank is given its own tokens only.
     """
     T, k = expert_index.shape
     counts = torch.bincount(expert_index.flatten(), minlength=num_experts).to(probs.dtype)   # (E,)

@@ -17,10 +17,11 @@ def off_by_ep_size(m: Mismatch) -> str | None:
     g, e = m.got.double().flatten(), m.expected.double().flatten()
     for c, words in ((ep, f"exactly EP = {ep}× the true one"), (1 / ep, f"exactly 1/EP = 1/{ep} of the true one")):
         if torch.allclose(g, c * e, rtol=1e-9, atol=1e-12):
+            holders = m.world_size // ep
             return (f"your {m.what} is {words}: did you divide by the expert-data-parallel size "
-                    f"({m.world_size // ep} ranks hold each expert) instead of the data-parallel size "
-                    f"({m.world_size})? The all-to-all already summed the EP group's tokens into each expert's "
-                    "gradient; sum over expert_dp_group, then divide by the FULL data-parallel size.")
+                    f"({holders} {'rank holds' if holders == 1 else 'ranks hold'} each expert) instead of the "
+                    f"data-parallel size ({m.world_size})? The all-to-all already summed the EP group's tokens into "
+                    "each expert's gradient; sum over expert_dp_group, then divide by the FULL data-parallel size.")
     return None
 
 

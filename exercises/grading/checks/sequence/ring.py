@@ -342,13 +342,14 @@ HINTS = {
     "5a.3": [
         "At step s rank r holds the K/V block of rank (r - s) mod W; K/V move one rank forward per step, queries "
         "never move. Post the next hop before computing the current block, and merge each block into a running "
-        "(out, lse) with your 5a.1.",
+        "(out, lse) with your 5a.1. With causal=True, the given block_plan says what part of each block to compute.",
         "comm.ring_peers(group) gives (next, previous). Each step: comm.exchange([(k_cur, nxt), (v_cur, nxt)], "
         "[(k_buf, prv), (v_buf, prv)], group=group, step=s, what='kv') (not on the last step), compute, then "
         ".wait() and swap buffers. Never a blocking send then recv: on a ring every rank would wait for the next.",
         "Causal: a block is full, causal (diagonal included), strictly causal or skipped, depending on the global "
-        "positions of your queries and of rank j's keys (layouts.positions). Contiguous: j < r full, j == r causal, "
-        "j > r skip; zigzag and striped: sketch the score matrix. Skip fully masked blocks without a kernel call; "
-        "accumulate in float32 or wider and return (out in q's dtype, lse).",
+        "positions of your queries and of rank j's keys. The given block_plan(r, j, W, layout, causal, n) works it "
+        "out for every layout: for each piece it returns, call the kernel on rows piece.q of Q and piece.k of the "
+        "held K/V with causal=piece.causal, and merge into rows piece.q; an empty plan means skip the block (no "
+        "kernel call). Accumulate in float32 or wider and return (out in q's dtype, lse).",
     ],
 }

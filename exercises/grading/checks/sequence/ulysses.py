@@ -120,9 +120,10 @@ HINTS = {
         "One all-to-all does it: slice w of what a rank sends goes to rank w. heads_to_seq is the mirror image.",
         "Check x.shape[1] % W first and raise ValueError on every rank, before any message. Cut the heads into W "
         "groups and make the group the first axis of a contiguous send buffer for comm.all_to_all_single.",
-        "send = x.reshape(B, W, H//W, n, D).transpose(0, 1).contiguous(); after all_to_all_single slice w of the "
-        "output is sequence chunk w of your head group: put the chunks in rank order along the sequence axis. "
-        "heads_to_seq: x.reshape(B, h, W, S//W, D).permute(2, 0, 1, 3, 4).contiguous(), one all_to_all_single, "
-        "then the slice from rank w is head group w.",
+        "The send buffer: split the H heads into W groups of H/W and bring the group axis to the front (a "
+        "reshape to (B, W, H/W, n, D) and a transpose of its first two axes, made contiguous); after "
+        "all_to_all_single slice w of the output is sequence chunk w of your head group: put the chunks in rank "
+        "order along the sequence axis. heads_to_seq is the mirror image: split the sequence into W chunks, chunk "
+        "axis first, one all_to_all_single, then the slice from rank w is head group w.",
     ],
 }
