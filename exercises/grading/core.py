@@ -167,6 +167,8 @@ class CheckResult:
     hidden: bool = False
     # it passed, but its points wait for a value check of the same exercise (Check.requires_value)
     held: bool = False
+    # it failed because the machine could not start the learner's process in time (MachineBusy)
+    busy: bool = False
 
 
 @dataclass
@@ -355,7 +357,7 @@ class Context:
     def local(self, harness: str, *args: Any, timeout: float | None = None) -> Any:
         """Call ``harness(module, *args)`` once in a process of the runner's; return its value."""
         t = timeout or self.timeout
-        reply = self.runner.call(("local", harness, self.module, args, t), t + self.start_allowance)
+        reply = self.runner.call(("local", harness, self.module, args, t), t + 5, start=self.start_allowance)
         self._raise_on_error(reply)
         return reply["value"]
 
@@ -378,14 +380,15 @@ class Context:
         if per_rank is not None and len(per_rank) != world_size:
             raise ValueError(f"per_rank has {len(per_rank)} entries for {world_size} ranks")
         run_timeout = min(x for x in (timeout, world_timeout, self.timeout) if x)
-        budget = run_timeout + self.start_allowance + 2 * world_size
+        budget = run_timeout + max(5, 2 * world_size)   # the ranks get run_timeout, then a deadlock report
         if isinstance(rules, dict):
             rules = [rules] * world_size
         measure = measure or memory_cap is not None
         opts = {"rules": list(rules) if rules is not None else None, "fresh": fresh or measure, "measure": measure,
                 "memory_cap": memory_cap}
         reply = self.runner.call(("ranks", world_size, harness, self.module, args,
-                                  list(per_rank) if per_rank is not None else None, run_timeout, opts), budget)
+                                  list(per_rank) if per_rank is not None else None, run_timeout, opts), budget,
+                                 start=self.start_allowance + 2 * world_size)
         self._raise_on_error(reply)
         return RanksResult(reply["values"], reply["trace"], reply.get("output", ""),
                            [[tuple(x) for x in log] for log in reply.get("comm") or []], reply.get("memory"))

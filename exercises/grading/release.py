@@ -61,7 +61,7 @@ def record_oracle(ids=None, timeout: float | None = None) -> tuple[dict, list]:
     answer; return ``(answers, results)``."""
     core.ORACLE.answers, core.ORACLE.record = None, {}
     try:
-        results = session.grade("reference", ids, include_hidden=False, timeout=timeout)
+        results = session.grade_patiently("reference", ids, include_hidden=False, timeout=timeout)
     finally:
         answers, core.ORACLE.record = core.ORACLE.record, None
     lost = [f"{r.exercise.id} {c.name}: {c.message.splitlines()[0] if c.message else ''}"
@@ -309,7 +309,7 @@ def verify_fresh_inputs(ids=None, *, solutions: str = "reference") -> list:
     before = core._SALT
     core.fresh_inputs()
     try:
-        results = session.grade(solutions, ids, include_hidden=True)
+        results = session.grade_patiently(solutions, ids, include_hidden=True)
     finally:
         core._SALT = before
     lost = [f"{r.exercise.id} {c.name}: {c.message.splitlines()[0] if c.message else ''}"

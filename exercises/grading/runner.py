@@ -48,7 +48,10 @@ from typing import Any
 from reference import launch as _launch
 from reference import rank_program as _rank_program
 
+from .confine import confine
 from .referee import Referee
+
+STARTED = b"S"      # sent once a request's ranks are up (exercises.grading.sandbox.STARTED)
 
 
 def _resolve(path: str):
@@ -343,32 +346,6 @@ def install_guard(pairs) -> None:
 # The request loop
 
 
-def confine(headroom_mb: float | None = None) -> None:
-    """Make this process non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``: no other process of its user
-    reads its memory through ``/proc/<pid>/mem`` or ptrace) and cap its address space
-    (``RLIMIT_AS``: what it maps now plus ``headroom_mb``, ``$GRADER_MAX_MEMORY_MB`` or 2048 MiB).
-    Both are inherited by every process it forks; neither can be undone by an unprivileged one."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import resource
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)        # PR_SET_DUMPABLE, 0
-    except Exception:
-        pass
-    headroom = float(os.environ.get("GRADER_MAX_MEMORY_MB", "2048")) if headroom_mb is None else headroom_mb
-    try:
-        with open("/proc/self/status") as f:
-            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-        cap = mapped + int(headroom * 2 ** 20)
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        if hard != resource.RLIM_INFINITY:
-            cap = min(cap, hard)
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    except (OSError, ValueError, StopIteration):
-        pass
-
-
 def _peaks(pid: int) -> tuple[int, int] | None:
     """(VmPeak, VmHWM) of ``pid`` in bytes — its high-water marks of mapped and of resident memory —
     read from /proc by the runner (the rank's own code cannot change what the kernel reports)."""
@@ -452,6 +429,7 @@ def main(fd: int, setup: str = "") -> None:
                     per_rank = [(mine,) for mine in per_rank] if per_rank is not None else [(None,)] * w
                 world = world_of(w, tmo, bool(opts.get("fresh")))
                 world.start()
+                conn.send_bytes(STARTED)             # the ranks are up: from here on, the time is the code's
                 before = [_peaks(p.pid) for p in world._procs] if opts.get("measure") else None
                 if opts.get("memory_cap") and before is not None:   # a fresh world: no learner code ran in it yet
                     _cap(world, before, int(opts["memory_cap"]))

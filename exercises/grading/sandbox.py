@@ -29,6 +29,7 @@ import torch
 from .core import START_ALLOWANCE, CheckFailed, CheckTimedOut, MachineBusy, SetupError
 
 MAX_REPLY_BYTES = int(float(os.environ.get("GRADER_MAX_REPLY_MB", "64")) * 2 ** 20)  # one runner reply, at most
+STARTED = b"S"       # what the runner sends once a request's ranks are up (before any learner code runs)
 
 
 class Runner:
@@ -95,8 +96,13 @@ class Runner:
                           f"{_load():.1f} on {os.cpu_count()} cores). This is the machine, not your code: grade "
                           "again when it is quieter (or set GRADER_SLOWDOWN to allow more time).")
 
-    def call(self, request: tuple, timeout: float) -> dict:
-        """Send a request; return the runner's reply (a dict), or raise CheckFailed."""
+    def call(self, request: tuple, timeout: float, start: float | None = None) -> dict:
+        """Send a request; return the runner's reply (a dict), or raise CheckFailed.
+
+        ``start``: the request starts ranks first (a "local" or "ranks" request); the runner says
+        :data:`STARTED` once they are up, which must come within ``start`` seconds — else the machine
+        was too slow (:class:`MachineBusy`), not the learner's code — and then the reply within
+        ``timeout``."""
         if self.proc is None or self.proc.poll() is not None:
             self.kill()
             self.start()
@@ -104,7 +110,18 @@ class Runner:
             self.wait_ready()
         try:
             self.conn.send_bytes(pickle.dumps(request))
-            data = receive(self.conn, timeout, MAX_REPLY_BYTES)
+            if start is not None:
+                try:
+                    first = receive(self.conn, start, MAX_REPLY_BYTES)
+                except _Late:
+                    self.kill()
+                    raise MachineBusy(f"this machine is too busy right now: the processes that run your code did not "
+                                      f"start within {start:.0f} s (load average {_load():.1f} on {os.cpu_count()} "
+                                      "cores). This is the machine, not your code: grade again when it is quieter "
+                                      "(or set GRADER_SLOWDOWN to allow more time).") from None
+                data = first if first != STARTED else receive(self.conn, timeout, MAX_REPLY_BYTES)
+            else:
+                data = receive(self.conn, timeout, MAX_REPLY_BYTES)
         except _Late:
             self.kill()
             raise CheckTimedOut(f"your code did not finish within {timeout:g} s (an infinite loop, or a "

@@ -7,4 +7,6 @@
           (only memory tells it from the ring)
     3.2   dummy_post: grad_ready posts an all-reduce of zeros the size of a complete bucket (so a post
           is seen in time) and keeps a copy; finish_buckets reduces the copies
+    5a.5  relay: K/V relayed and kept, every block's share computed at once, the shares sent home
+    5c.1  published_lookup: answers only for the published seeds' inputs (see mesh.py)
 """
