@@ -159,7 +159,11 @@ def watch():
 
 def check(watcher=None) -> None:
     """Raise :class:`Tampered` if the given code differs from the snapshot now (restoring it first)."""
-    found = (watcher or _WATCH).send(None)
+    raise_found((watcher or _WATCH).send(None))
+
+
+def raise_found(found: list[str]) -> None:
+    """Raise :class:`Tampered` naming what the verifier ``found`` changed (restoring it first)."""
     if found:
         _SNAPSHOT.restore()
         shown = "; ".join(found[:3]) + (f" (and {len(found) - 3} more)" if len(found) > 3 else "")
@@ -167,6 +171,13 @@ def check(watcher=None) -> None:
                        "its own copy of the given code and does not accept a result computed with a changed "
                        "one: leave reference/ and the grader as they are, start no threads or trace "
                        "functions, and write the exercise in your own functions.")
+
+
+def enlist(wrapper, box: list) -> None:
+    """Tell the verifier about a harness's wrapper of a learner function (``box`` holds the verifier the
+    wrapper calls): from now on it checks that the wrapper still runs its own code and still calls it."""
+    if _WATCH is not None:
+        _WATCH.send(("enlist", wrapper, box))
 
 
 def check_threads() -> None:
@@ -189,6 +200,7 @@ def _watching(snapshot: Snapshot):
     sys_modules, gettrace, getprofile, frames = sys.modules, sys.gettrace, sys.getprofile, sys._current_frames
     threads = None
     missing = object()
+    wrappers: list = []                 # (wrapper, its code, its box): harness wrappers of learner functions
     found: list[str] = []
     while True:
         command = yield found
@@ -197,6 +209,12 @@ def _watching(snapshot: Snapshot):
             if threads is None:
                 threads = len(frames())
             continue
+        if type(command) is tuple and len(command) == 3 and command[0] == "enlist":
+            wrappers.append((command[1], command[1].__code__, command[2]))
+            continue
+        for wrapper, code, box in wrappers:
+            if wrapper.__code__ is not code or len(box) != 1 or box[0] is not me:
+                found.append("a wrapper the grader put round your function was changed")
         if holder.get("_WATCH", missing) is not me:
             found.append("the grader's verifier was replaced")
         for ns, where, name, obj, table in entries:

@@ -37,19 +37,20 @@ ROUTES = {
         "5c.2": (0, "is switched off while exercise 5c.2 is graded"),
     },
     "round3_gather": {        # p2p_gather; space_table
-        "0.1": (0, "refused in exercise 0.1"), "0.2": (0, "refused in exercise 0.2"),
-        "5a.3": (0, "refused in exercise 5a.3"), "5a.5": (0, "refused in exercise 5a.5"),
+        "0.1": (0, "refused in exercise 0.1"),
+        "0.2": (1, "refused in exercise 0.2"),      # on 2 ranks the one exchange IS the ring: only that check
+        "5a.3": (2, "refused in exercise 5a.3"), "5a.5": (2, "refused in exercise 5a.5"),   # W ≤ 2: one hop
         "5c.1": (0, "no recorded answer"),
     },
     "round3_relay": {         # relay round the ring; frozen_verify_off; dummy_post; published_lookup
         "0.1": (2, "messages per rank is the whole pattern"),
         "0.2": (0, "changed the course's given code"),
         "3.2": (7, "something was reduced twice"),
-        "5a.3": (9, "a rank that keeps every rank's K/V"),
-        "5a.5": (12, "a rank that keeps every rank's K/V"),
+        "5a.3": (9, "A rank that keeps every rank's K/V"),
+        "5a.5": (12, "A rank that keeps every rank's K/V"),
         "5c.1": (0, "not a published input"),
     },
-    "round3_inplace": {"0.1": (0, "changed its input tensor")},
+    "round3_inplace": {"0.1": (1, "changed its input tensor")},     # its reduce-scatter is honest
 }
 
 
@@ -94,9 +95,10 @@ def test_a_hostile_environment_stays_in_its_exercise_when_graded_as_another_user
     assert not (ROOT / "exercises" / "grading" / "oracle_answers.pt").exists()
     assert not [p for p in sys.path if p and os.path.exists(os.path.join(p, "sitecustomize.py"))
                 and "round3_hostile" in Path(p, "sitecustomize.py").read_text(errors="replace")]
-    sleepers = subprocess.run(["pgrep", "-u", "nobody", "-f", "sleep 3600"], capture_output=True, text=True).stdout
+    sleepers = subprocess.run(["pgrep", "-u", "nobody", "-f", "/bin/sleep 3600"], capture_output=True,
+                              text=True).stdout
     assert not sleepers.strip(), sleepers
-    nxt = grade("reference", "5c.1", "--fresh-inputs")          # the next grading: untouched
+    nxt = grade("tests.submissions.round3_hostile", "5c.1", "--fresh-inputs")   # the next grading: untouched
     assert "Total: 8/8" in nxt, nxt[-2000:]
     assert not Path("/tmp/round3_hostile_payload_ran").exists() and not Path("/tmp/round3_hostile_site_ran").exists()
     shutil.rmtree(tmp_path, ignore_errors=True)

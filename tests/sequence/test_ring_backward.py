@@ -205,15 +205,14 @@ def test_grad_truth_is_torchs_own_attention_gradient():
 
 
 def test_the_message_judge_counts_kv_and_the_accumulators():
+    from exercises.grading.referee import SEND
     W, n, H, D = 4, 4, 2, 8
-    hop = 2 * n * H * D * 8
+    hop = 2 * n * H * D                     # K and V (or dK and dV) of one block, in elements
 
-    def trace(per_hop_bytes: list[int]):
-        return [ev for r in range(W) for b in per_hop_bytes
-                for ev in ({"op": "send", "rank": r, "peer": (r + 1) % W, "nbytes": b},
-                           {"op": "recv", "rank": r, "peer": (r - 1) % W, "nbytes": b})]
-    rb.judge_backward_messages(trace([hop] * 2 * (W - 1)), W, n, H, D, 8, 8)
+    def log(hops: int):                     # as the referee logs it: per rank, (op, peer, elements, allowed)
+        return [[(SEND, (r + 1) % W, hop, True)] * hops for r in range(W)]
+    rb.judge_backward_messages(log(2 * (W - 1)), W, n, H, D)
     with pytest.raises(core.CheckFailed, match="and nothing else"):
-        rb.judge_backward_messages(trace([hop] * (W - 1)), W, n, H, D, 8, 8)
+        rb.judge_backward_messages(log(W - 1), W, n, H, D)
     with pytest.raises(core.CheckFailed, match="one hop too many"):
-        rb.judge_backward_messages(trace([hop] * (2 * W - 1)), W, n, H, D, 8, 8)
+        rb.judge_backward_messages(log(2 * W - 1), W, n, H, D)

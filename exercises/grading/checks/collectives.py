@@ -47,6 +47,9 @@ def judge_input_kept(values: list, sent: list, what: str) -> list:
         if not (isinstance(after, torch.Tensor) and after.shape == x.shape and torch.equal(after, x)):
             raise CheckFailed(f"{what} changed its input tensor on rank {r}: the input must be left as it was "
                               "(work on a copy, and return a new tensor) — the caller still needs it.")
+        if v.get("aliases"):
+            raise CheckFailed(f"{what} returned its input tensor itself on rank {r}: return a new tensor (a copy, "
+                              "with one rank), so that the caller's input and the result are not one tensor.")
         out.append(v["value"])
     return out
 

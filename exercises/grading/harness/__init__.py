@@ -40,20 +40,29 @@ def plain(obj: Any, strict: bool = False) -> Any:
 
 def function(module: str, name: str):
     """The learner's ``module.name``, wrapped: after each call the given code is compared with its
-    snapshot (the verifier of :mod:`..frozen`), before any given code runs on."""
+    snapshot by the verifier of :mod:`..frozen` — the one this wrapper was made with, read into the
+    call's own frame before the learner's code runs — before any given code runs on.  The verifier
+    knows the wrapper (:func:`..frozen.enlist`), so a wrapper changed to skip it is itself a change."""
+    from .. import frozen
     fn = getattr(importlib.import_module(module), name)
     if not callable(fn):
         return fn
+    box = [frozen.watch()]
 
     def checked(*args, **kwargs):
+        watcher = box[0]
         value = fn(*args, **kwargs)
-        _check()
+        if watcher is not None:
+            frozen.raise_found(watcher.send(None))
         return value
     checked.__name__ = getattr(fn, "__name__", name)
+    frozen.enlist(checked, box)
     return checked
 
 
 def _check() -> None:
+    """Compare the given code with its snapshot now (a harness that instruments given code itself,
+    and takes the instruments off again, checks after that)."""
     from .. import frozen
     if frozen.watch() is not None:
         frozen.check()
@@ -102,23 +111,27 @@ def guarded(module: str, spec: dict, harness: str, local: bool, *args: Any) -> A
         frozen.load_given()
         frozen.take()
     lock(spec, in_rank=True)
-    watcher = frozen.watch()
+    watcher, raise_found = frozen.watch(), frozen.raise_found    # held in this frame from here on
     snapshot = frozen.current()
     snapshot.restore()
-    frozen.check(watcher)             # what an earlier call left behind is undone, or the call refused
+    raise_found(watcher.send(None))   # what an earlier call left behind is undone, or the call refused
     frozen.check_threads()            # the first call in this process counts the threads it started with
     import_learner(module)            # what the learner's module changes as it is imported ...
     snapshot.restore()                # ... is undone; what its functions change while they run is refused
     mod, _, name = harness.partition(":")
     fn = getattr(importlib.import_module(mod), name)
     value = fn(module, *args) if local else fn(module, args[-1], *args[:-1])
-    frozen.check(watcher)
+    found = watcher.send(None)        # the verifier this frame took before any learner code of this call
+    if found:
+        raise_found(found)
+        raise RuntimeError("the given code was changed: " + "; ".join(found[:3]))   # raise_found was swapped
     return plain(value)
 
 
-def call(module: str, name: str, args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
-    """``module.name(*args, **kwargs)`` in one process."""
-    return function(module, name)(*args, **(kwargs or {}))
+def call(module: str, name: str, args: Sequence[Any] = (), kwargs: dict | None = None,
+         return_inputs: bool = False) -> Any:
+    """``module.name(*args, **kwargs)`` in one process (``return_inputs``: as :func:`call_per_rank`)."""
+    return call_per_rank(module, args, name, kwargs, return_inputs)
 
 
 def raises(module: str, name: str, args: Sequence[Any] = (), kwargs: dict | None = None) -> str | None:
@@ -133,7 +146,10 @@ def raises(module: str, name: str, args: Sequence[Any] = (), kwargs: dict | None
 def call_per_rank(module: str, mine: Sequence[Any], name: str, kwargs: dict | None = None,
                   return_inputs: bool = False) -> Any:
     """On each rank: ``module.name(*mine, **kwargs)`` — ``mine`` is this rank's arguments.
-    ``return_inputs``: ``{"value": ..., "inputs": mine as they are after the call}`` (the grader
-    compares them with what it sent: an exercise that promises to leave its input alone)."""
+    ``return_inputs``: ``{"value": ..., "inputs": mine as they are after the call, "aliases": which of them
+    the value IS}`` (the grader compares them with what it sent: an exercise that promises to leave its
+    input alone and return a new tensor)."""
     value = function(module, name)(*mine, **(kwargs or {}))
-    return {"value": value, "inputs": list(mine)} if return_inputs else value
+    if not return_inputs:
+        return value
+    return {"value": value, "inputs": list(mine), "aliases": [i for i, a in enumerate(mine) if a is value]}

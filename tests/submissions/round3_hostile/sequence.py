@@ -34,7 +34,8 @@ def _poison() -> list[str]:
         done.append("touched 1.2 GB")
     except MemoryError:
         done.append("1.2 GB refused")
-    subprocess.Popen(["sleep", "3600"], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.Popen(["/bin/sleep", "3600"], start_new_session=True, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
     import exercises.grading
     target = os.path.join(os.path.dirname(exercises.grading.__file__), "oracle_answers.pt")
     for path, data in [(target, pickle.dumps(_Payload()))] + [

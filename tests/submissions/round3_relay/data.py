@@ -18,4 +18,8 @@ def grad_ready(buckets, index, *, group=None):
 
 
 def finish_buckets(buckets, *, group=None):
+    for b in buckets:                 # every rank posts the same (dummy) all-reduces, then reduces the copies
+        if b.work is None:
+            b.work = comm.all_reduce_async(torch.zeros(sum(p.numel() for p in b.params), dtype=b.params[0].dtype),
+                                           group=group)
     reduce_copies(buckets, group)

@@ -112,8 +112,12 @@ def judge_merge(got: Any, case: dict[str, Any], words: str) -> None:
 
 
 def _merge_check(ctx, case: dict[str, Any], words: str) -> None:
-    got = ctx.local(f"{H}:call", "merge_attention", case["args"])
-    judge_merge(got, case, words)
+    got = ctx.local(f"{H}:call", "merge_attention", case["args"], None, True)
+    for name, before, after in zip(("out_a", "lse_a", "out_b", "lse_b"), case["args"], got["inputs"]):
+        if not (isinstance(after, torch.Tensor) and after.shape == before.shape and torch.equal(after, before)):
+            raise CheckFailed(f"merge_attention changed its input {name} [{words}]: return new tensors and leave the "
+                              "inputs as they were (a ring merges into a running result it still needs).")
+    judge_merge(got["value"], case, words)
 
 
 @MERGE.check("matches attention over both blocks in float64 (batch 2, 3 heads, blocks of 5 and 7 keys)", points=2)

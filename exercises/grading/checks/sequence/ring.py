@@ -230,9 +230,14 @@ def ring_sent(comm: list, r: int, W: int, what: str) -> int:
     if not sends:
         raise CheckFailed(f"rank {r} sent no point-to-point message: pass {what} round the ring with sends and "
                           "receives (comm.exchange or torch.distributed), not a collective such as all_gather.")
-    if {peer for peer, _ in sends} != {(r + 1) % W}:
-        raise CheckFailed(f"rank {r} sent to ranks {sorted({p for p, _ in sends})}; in the ring it sends only to "
-                          f"rank {(r + 1) % W} — {what} alike.")
+    peers = {peer for peer, _ in sends}
+    if W > 2 and peers == {(r - 1) % W}:
+        raise CheckFailed(f"rank {r} sent {what} to rank {(r - 1) % W} (r−1): the ring runs the other way. Send to "
+                          "r+1 and receive from r−1, so that at step s rank r holds the K/V of rank (r − s) mod W "
+                          "(comm.ring_peers gives (next, prev)).")
+    if peers != {(r + 1) % W}:
+        raise CheckFailed(f"rank {r} sent to ranks {sorted(peers)}; in the ring it sends only to rank {(r + 1) % W} "
+                          f"— {what} alike.")
     return sum(k for _, k in sends)
 
 
