@@ -245,7 +245,8 @@ def kernel(tensors, process_group, *rest):
             if pg is not WORLD:
                 raise RuntimeError(NOT_WORLD)
             if peer != (NEXT if SEND else PREV):
-                raise RuntimeError(WRONG_PEER.format(peer=peer))
+                backwards = peer == (PREV if SEND else NEXT)
+                raise RuntimeError(WRONG_PEER.format(peer=peer, why=BACKWARDS if backwards else ""))
             if SEND:
                 _tell(OP_SEND, peer, n, nbytes, True)
         backend = GET_BACKEND(pg, DEVICE(tensors[0]))
@@ -326,8 +327,11 @@ def _checked_kernel(op: str, family: str, backend_method: int, limit: int | None
                       "message on another process group is refused while it is graded.",
          "WRONG_PEER": (f"{short} {'to' if op == 'c10d::send' else 'from'} rank {{peer}} is refused in exercise "
                         f"{exercise}: on this ring rank {me} sends only to rank {(me + 1) % size} (r+1) and "
-                        f"receives only from rank {(me - 1) % size} (r−1) — comm.ring_peers() gives (next, prev). "
-                        "The exercise is the ring itself, so its messages are enforced while it is graded."),
+                        f"receives only from rank {(me - 1) % size} (r−1) — comm.ring_peers() gives (next, "
+                        "prev).{why} The exercise is the ring itself, so its messages are enforced while it is "
+                        "graded."),
+         "BACKWARDS": (" Sending to r−1 (or receiving from r+1) runs the ring the other way round: everything on "
+                       "this ring travels from r to r+1."),
          "OVER_LIMIT": refusal(op, f"; an all-reduce here carries at most {limit} elements (yours: {{n}}): a few "
                                    "numbers per token, never the vocabulary's logits — gathering them through an "
                                    "all-reduce is a gather all the same")}

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from . import feedback as fb
+from .frozen import NOTEBOOK_PLUMBING
 from .outcomes import CheckFailed, CheckTimedOut, MachineBusy, SetupError, raise_on_error  # noqa: F401  (re-exported)
 
 # ----------------------------------------------------------------------------------------------
@@ -468,12 +469,12 @@ def _guard_pairs(registry: dict[str, Exercise], solutions: str) -> list[tuple[st
 
 
 def _preload_reference() -> None:
-    """Import the reference (minus widgets) now, before learner code runs: what the grader judges
+    """Import the reference (minus the notebooks' plumbing) now, before learner code runs: what the grader judges
     with is then fixed in memory, whatever a submission does to files on disk."""
     import pkgutil
     ref = importlib.import_module("reference")
     for info in pkgutil.walk_packages(ref.__path__, "reference."):
-        if info.name.startswith(("reference.widgets", "reference.notebook")):
+        if info.name.startswith(NOTEBOOK_PLUMBING):   # no verdict needs them
             continue
         try:
             importlib.import_module(info.name)

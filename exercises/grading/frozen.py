@@ -249,8 +249,9 @@ def _watching(snapshot: Snapshot):
             found.append("a thread your code started is still running after it returned")
 
 
-# what only the notebooks use (drawing, recordings): never a check's driver, and slow to import
-NOTEBOOK_PLUMBING = ("reference.widgets", "reference.notebook")
+# never a check's driver, and slow to import: what only the notebooks use (drawing, recordings), and the
+# composed run's checkpoints (torch.distributed.checkpoint: 0.5 s quiet, 10 s on a loaded machine, per runner)
+NOTEBOOK_PLUMBING = ("reference.widgets", "reference.notebook", "reference.compose.checkpoint")
 
 
 def load_given() -> None:

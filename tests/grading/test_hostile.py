@@ -287,20 +287,25 @@ def test_library_collectives_behind_a_forged_trace_earn_nothing(tmp_path, no_orp
     assert doc is not None, proc.stderr[-3000:]
     assert doc["score"] == 0, [(t["name"], t["output"][:200]) for t in doc["tests"] if t["score"]]
     assert sum("is not allowed in exercise" in t["output"] for t in doc["tests"]) >= 10
-    # every check that reads the trace (bytes, neighbours, skipped blocks) carries no points
+    # the one check left that reads the trace (skipped blocks) carries no points; the messages are the referee's
     trace_checks = [t for t in doc["tests"] if "trace" in t["name"]]
-    assert len(trace_checks) == 4 and all(t["max_score"] == 0 for t in trace_checks)
+    assert len(trace_checks) == 1 and trace_checks[0]["max_score"] == 0
+    counted = [t for t in doc["tests"] if "counted by the grader" in t["name"]]
+    assert len(counted) == 3 and not any(t["score"] for t in counted)
 
 
-def test_without_the_guard_the_swap_earns_points_and_its_forged_trace_passes(monkeypatch, no_orphans):
-    """Why the trace checks are feedback only: with the library's collectives available, the forged
-    events make the byte check pass.  (The attack is real; only the guard stops it.)"""
+def test_without_the_guard_the_swap_earns_the_value_points_and_its_forged_trace_fools_no_count(monkeypatch,
+                                                                                               no_orphans):
+    """Why the guard, and why the runner counts: with the library's collectives available the values
+    are right, but the forged send events count for nothing, since the runner counts what the
+    ranks' kernels sent (here nothing)."""
     registry = core.load_checks()
     monkeypatch.setattr(registry["0.1"], "comm", None)
     (res,) = session.grade("tests.submissions.collective_swap", ["0.1"], include_hidden=False, timeout=20)
-    assert res.score == res.max_score > 0, [(c.name, c.message[:200]) for c in res.checks if not c.passed]
-    forged = [c for c in res.checks if "bytes" in c.name]
-    assert forged and forged[0].passed and forged[0].max_score == 0
+    lost = [c for c in res.checks if not c.passed]
+    assert [c.name for c in lost] == [c.name for c in res.checks if "counted by the grader" in c.name]
+    assert res.score == res.max_score > 0 and lost[0].max_score == 0
+    assert "sent 0 elements in 0 message(s)" in lost[0].message
 
 
 @pytest.mark.skipif(not _nobody_can_run_this_python(), reason="needs root, a user 'nobody' and a clone it can read")
