@@ -29,10 +29,15 @@ def test_presets_carry_their_datasheet_figures_and_overrides():
     a, h = P.Cluster.preset("a100-80gb-sxm", 16), P.preset("h100-80gb-sxm", 16)
     assert (a.flops, a.hbm_bw, a.memory, a.sms, a.devices_per_node) == (312e12, 2039e9, 80e9, 108, 8)
     assert (h.flops, h.hbm_bw, h.sms, h.intra_bw, h.inter_bw) == (989e12, 3.35e12, 132, 450e9, 50e9)
-    assert a.first_principles and h.gemm_ceiling == pytest.approx(794.5 / 989)
+    # the H100's GEMMs at the sustained (power-saturated) share of its burst MAMF; FP8 at its own peak and ceiling
+    assert a.first_principles and h.gemm_ceiling == pytest.approx(794.5 / 989 * 755.5 / 852.1)
+    assert (h.fp8_flops, a.fp8_flops) == (1979e12, 0.0) and h.fp8_gemm_ceiling == pytest.approx(1402.6 / 1979 * 755.5
+                                                                                                  / 852.1)
+    h8 = P.Cluster.preset("h800-80gb-sxm", 2048)
+    assert (h8.flops, h8.fp8_flops, h8.intra_bw * h8.intra_efficiency, h8.inter_bw) == (989e12, 1979e12, 160e9, 50e9)
     assert P.Cluster.preset("h100-80gb-sxm", 8, inter_bw=25e9).inter_bw == 25e9
     assert not P.Cluster.preset("a100-80gb-sxm", 8, mfu=0.5).first_principles     # the override wins
-    assert set(PRESETS) >= {"a100-80gb-sxm", "h100-80gb-sxm"}
+    assert set(PRESETS) >= {"a100-80gb-sxm", "h100-80gb-sxm", "h800-80gb-sxm"}
     with pytest.raises(ValueError, match="unknown hardware preset 'b300'"):
         P.Cluster.preset("b300", 8)
 
@@ -138,8 +143,8 @@ def test_recomputation_by_granularity_costs_time_and_counts_in_hfu_only():
 
 def test_overlap_switches_expose_what_they_should():
     base = P.Composition(dp=8, tp=8)
-    assert "tp" in P.plan(GPT, A100, base).exposed
-    assert "tp" not in P.plan(GPT, A100, P.with_sizes(base, tp_overlap=True)).exposed
+    exposed, overlapped = (P.plan(GPT, A100, P.with_sizes(base, tp_overlap=o)).exposed["tp"] for o in (False, True))
+    assert 0 < overlapped < 0.5 * exposed          # overlap hides most of it, and is not free (.overlap)
     z3 = P.Composition(dp=64, zero=3, recompute="full", micro_batch=1)
     hidden, shown = (P.plan(GPT, A100, P.with_sizes(z3, fsdp_prefetch=f)).exposed["zero3"] for f in (True, False))
     assert hidden < shown
