@@ -32,7 +32,8 @@ import math
 from .model import Cluster
 from .placement import Span
 
-__all__ = ["KINDS", "link_bandwidth", "link_latency", "collective_time", "measured_busbw", "expert_all_to_all_time"]
+__all__ = ["KINDS", "link_bandwidth", "link_latency", "collective_time", "sweep_rate", "measured_busbw",
+           "expert_all_to_all_time"]
 
 KINDS = ("p2p", "all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -60,20 +61,24 @@ def collective_time(kind: str, nbytes: float, p: int, cluster: Cluster, link: st
         return alpha + nbytes / beta
     steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
     if link == "intra" and cluster.intra_busbw:
-        return steps / p * nbytes / measured_busbw(cluster.intra_busbw, nbytes)
+        return steps / p * nbytes / sweep_rate(cluster.intra_busbw, nbytes)
     return steps * alpha + steps / p * nbytes / beta
 
 
-def measured_busbw(sweep: tuple, nbytes: float) -> float:
-    """The bus bandwidth of a measured sweep ((bytes, busbw), ... ascending) at ``nbytes``: log-log
-    interpolation between the two sizes around it, the end rows beyond them."""
-    if nbytes <= sweep[0][0]:
-        return sweep[0][1] * nbytes / sweep[0][0]        # below the sweep: latency-bound, time ≈ constant
+def sweep_rate(sweep: tuple, size: float) -> float:
+    """The rate of a measured sweep ((size, rate), ... ascending) at ``size`` — nccl-tests' bus bandwidth by
+    message size, or a GEMM's FLOP/s by its FLOPs: log-log interpolation between the two sizes around it;
+    below the sweep a fixed time (the smallest size's), above it the last rate."""
+    if size <= sweep[0][0]:
+        return sweep[0][1] * size / sweep[0][0]        # below the sweep: latency-bound, time ≈ constant
     for (s0, b0), (s1, b1) in zip(sweep, sweep[1:]):
-        if nbytes <= s1:
-            w = math.log(nbytes / s0) / math.log(s1 / s0)
+        if size <= s1:
+            w = math.log(size / s0) / math.log(s1 / s0)
             return math.exp((1 - w) * math.log(b0) + w * math.log(b1))
     return sweep[-1][1]
+
+
+measured_busbw = sweep_rate        # its earlier name, for the bus-bandwidth sweep
 
 
 def expert_all_to_all_time(nbytes: float, p: int, span: Span, cluster: Cluster, *, top_k: int = 1,

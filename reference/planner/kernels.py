@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 
+from .collectives import sweep_rate
 from .model import Cluster, Model
 
 __all__ = ["TILES", "gemm_efficiency", "gemm_time", "memory_time", "attention_gemms", "ffn_gemms", "layer_gemms",
@@ -60,6 +61,10 @@ def gemm_time(m: float, n: float, k: float, cluster: Cluster, *, batch: int = 1,
     busy with communication: the peak scales with them); ``fp8``: inputs in FP8 (1 byte) at the FP8 peak."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
+    if cluster.gemm_sweep:          # a measured device (this machine's cores): the sweep's rate at this size
+        flops = 2 * m * n * k * batch
+        return max(flops / sweep_rate(cluster.gemm_sweep, flops),
+                   memory_time(elem * (m * k + k * n + m * n) * batch, cluster))
     share = (sms or cluster.sms) / cluster.sms
     peak = (cluster.fp8_flops if fp8 else cluster.flops) * share
     flops = 2 * m * n * k * batch

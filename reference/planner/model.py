@@ -185,6 +185,9 @@ class Cluster:
     memory_margin: float = 0.0      # bytes per device kept free: CUDA context, NCCL buffers, fragmentation
     fp8_flops: float = 0.0          # peak FP8 FLOP/s per device (dense); 0: the device has no FP8 tensor cores
     fp8_gemm_ceiling: float = 0.0   # fraction of the FP8 peak the best-shaped large FP8 GEMM reaches; 0: gemm_ceiling
+    gemm_sweep: tuple = ()          # ((FLOPs of one GEMM, FLOP/s it reached), ...): a measured sweep; given, a GEMM
+    #                                 runs at the sweep's rate for its size instead of the tile and wave model
+    cores: int = 0                  # host cores the devices of a node share (a CPU world); 0: each device its own
 
     @property
     def first_principles(self) -> bool:

@@ -43,6 +43,7 @@ class Plan:
     hfu: float = 0.0                    # the same with recomputed FLOPs counted
     optimizer_time: float = 0.0         # the optimizer step (first-principles model only)
     bubble_time: float = 0.0            # seconds the slowest device idles in the pipeline's fill and drain
+    cpu_floor: float = 0.0              # a CPU world: the node's ranks' summed CPU work over its cores (0: not one)
 
     @property
     def total_memory(self) -> float:
@@ -231,6 +232,8 @@ def plan(model: Model, cluster: Cluster, comp: Composition, *, stage: int | None
                       ep_payload=payload, exposed=st.exposed, mfu=st.mfu, hfu=st.hfu, optimizer_time=st.optimizer,
                       bubble_time=st.bubble)
         result.bottleneck, result.reasons = _diagnose(result)
+        if cluster.cores and cluster.devices_per_node > cluster.cores:
+            _cpu_bound(result, m * sum(st.device_kernels) / p + st.optimizer)
         return result
     # --- the simple model: compute at a fixed MFU, stretched by the bubble
     tokens = model.global_batch * s
@@ -252,6 +255,23 @@ def plan(model: Model, cluster: Cluster, comp: Composition, *, stage: int | None
                   bubble_time=busy - compute)
     result.bottleneck, result.reasons = _diagnose(result)
     return result
+
+
+def _cpu_bound(pl: Plan, work: float) -> None:
+    """A node whose ranks outnumber its host cores (a CPU world): the step is at least the CPU work all the node's
+    ranks demand over the cores — ``work`` seconds per rank (its kernels over the step, the optimizer).  When that
+    floor is longer than the plan's step, it is the step, and what runs out first."""
+    c, n = pl.cluster, pl.cluster.devices_per_node
+    pl.cpu_floor = n * work / c.cores
+    line = (f"CPU: {n} ranks × {work:.3g} s of kernels share {c.cores} cores: the step takes at least "
+            f"{pl.cpu_floor:.3g} s")
+    if pl.cpu_floor > pl.step_time:
+        scale = pl.step_time / pl.cpu_floor
+        pl.step_time, pl.mfu, pl.hfu = pl.cpu_floor, pl.mfu * scale, pl.hfu * scale
+        pl.bottleneck = f"time: CPU-bound ({n} ranks on {c.cores} cores)"
+        pl.reasons.insert(1, line + f" (> the {pl.cpu_floor * scale:.3g} s the ranks' own timelines take)")
+    else:
+        pl.reasons.append(line)
 
 
 def _diagnose(pl: Plan) -> tuple[str, list[str]]:

@@ -105,7 +105,8 @@ def time_terms(pl: Plan) -> dict[str, float]:
     """A plan's step split into terms that add up to it: compute, bubble, each exposed axis, optimizer
     (and "other" for what the simple model leaves unnamed)."""
     terms = {"compute": pl.compute_time, "bubble": pl.bubble_time, **pl.exposed, "optimizer": pl.optimizer_time}
-    terms["other"] = pl.step_time - sum(terms.values())
+    rest = pl.step_time - sum(terms.values())
+    terms["CPU shared by ranks" if pl.cpu_floor and pl.step_time == pl.cpu_floor else "other"] = rest
     return {k: x for k, x in terms.items() if abs(x) > 1e-12}
 
 

@@ -79,6 +79,7 @@ class StepTime:
     mfu: float
     hfu: float
     device_times: list[float] = field(default_factory=list)   # T_k per micro-batch
+    device_kernels: list[float] = field(default_factory=list)  # each stage's kernel seconds per micro-batch
 
 
 def optimizer_bytes_per_param(model: Model) -> float:
@@ -327,4 +328,4 @@ def step_time(model: Model, cluster: Cluster, comp: Composition, links: dict[str
     peak = step * cluster.devices * cluster.flops
     return StepTime(step=step, pipeline=pipeline, compute=m * dev_kernels[slow], bubble=fill, exposed=exposed,
                     optimizer=optimizer, model_flops=mf, hardware_flops=hf, mfu=mf / peak, hfu=hf / peak,
-                    device_times=dev_time)
+                    device_times=dev_time, device_kernels=dev_kernels)

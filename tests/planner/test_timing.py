@@ -234,3 +234,34 @@ def test_with_overlap_only_the_last_bucket_of_the_gradient_sync_is_exposed():
     assert table > DDP_BUCKET_BYTES
     assert plans[True].exposed["dp"] == pytest.approx(collective_time("all_reduce", table, 64, A100, "inter"))
     assert plans[False].exposed["dp"] > 5 * plans[True].exposed["dp"]
+
+
+# ------------------------------------------------------------------ a CPU world measured here (planner.machine)
+
+CPU = P.Cluster("2 CPU ranks (figures as measured)", devices=2, memory=8 * P.GB, flops=40e9, intra_bw=2e9,
+                inter_bw=2e9, devices_per_node=2, hbm_bw=15e9, sms=1, gemm_ceiling=1.0, attention_ceiling=0.5,
+                alpha_intra=1e-4, alpha_inter=1e-4, gemm_sweep=((1e4, 4e9), (1e6, 30e9), (1e9, 15e9)), cores=2)
+
+
+def test_a_measured_gemm_sweep_times_gemms_by_their_size():
+    """With a measured sweep a GEMM runs at the sweep's rate for its FLOPs (log-log between the sizes around it),
+    not at the GPU tile model's: a tiny GEMM costs the smallest one's time, a huge one the last rate."""
+    assert gemm_time(100, 100, 50, CPU) == pytest.approx(1e6 / 30e9)                # 2·100·100·50 = 1e6 FLOPs
+    between = 2 * 1000 * 1000 * 50                                                   # 1e8: between 1e6 and 1e9
+    rate = math.exp(math.log(30e9) + (math.log(15e9) - math.log(30e9)) * math.log(1e8 / 1e6) / math.log(1e3))
+    assert gemm_time(1000, 1000, 50, CPU) == pytest.approx(between / rate)
+    assert gemm_time(10, 10, 10, CPU) == pytest.approx(1e4 / 4e9)                   # below the sweep: a fixed time
+
+
+def test_ranks_sharing_cores_put_a_floor_under_the_step():
+    """Eight ranks on two cores: the step takes at least the eight ranks' CPU work over the two cores, and the
+    planner says so; two ranks on two cores keep their own timelines."""
+    tiny = P.tiny_gpt(GPTConfig(vocab=27, layers=2, d_model=64, heads=2, d_ff=256, seq_len=32), batch_size=8,
+                      micro_batch=1)
+    two = P.plan(tiny, CPU, P.Composition(dp=2, flash=True, sequence_parallel=False, micro_batch=4))
+    eight = P.plan(tiny, replace(CPU, devices=8, devices_per_node=8),
+                   P.Composition(dp=8, flash=True, sequence_parallel=False))
+    assert two.cpu_floor <= two.step_time and not two.bottleneck.startswith("time: CPU")
+    assert eight.bottleneck == "time: CPU-bound (8 ranks on 2 cores)" and eight.step_time == eight.cpu_floor
+    assert eight.cpu_floor == pytest.approx(8 * (eight.compute_time + eight.optimizer_time) / 2)
+    assert "CPU shared by ranks" in P.time_terms(eight) and eight.reasons[1].startswith("CPU: 8 ranks")
