@@ -13,7 +13,7 @@ published runs the planner is checked against (``benchmarks/planner.py`` prints 
 the worked examples (Llama 3, GShard, DeepSeek-V3).  Every name is importable from ``reference.planner``.
 
 Pure arithmetic on three dataclasses: a :class:`Model`, a :class:`Cluster` and a
-:class:`Composition` (dp × tp × pp × cp, ep for the experts, ZeRO stage, recomputation,
+:class:`Composition` (dp × tp × pp × cp, ep and etp for the experts, ZeRO stage, recomputation,
 micro-batches).  :func:`plan` gives a :class:`Plan`: memory per device, bytes per step per axis
 and their time on the links the rank grid puts them on, the pipeline bubble, the compute time, an
 estimated step time and the resource that runs out first.  :func:`search` tries every composition
@@ -25,11 +25,11 @@ that fits and ranks them by estimated step time.  Symbols (Korthikanti et al. ar
 Memory per device (bytes)
     model states (ZeRO arXiv:1910.02054, mixed-precision Adam: 2 + 2 + K bytes, K = 12):
         stage 0  (2 + 2 + K)·Ψ      stage 1  (2 + 2)·Ψ + K·Ψ/N      stage 2  2·Ψ + (2 + K)·Ψ/N
-        stage 3  (2 + 2 + K)·Ψ/N    N = dp·cp for dense parameters, edp for experts
+        stage 3  (2 + 2 + K)·Ψ/N    N = dp·cp for dense parameters, edp = tp·cp·dp/(etp·ep) for experts
       Ψ counts what the device holds: its layers' matrices (and the biases of column-parallel
       layers) ÷ t, the norms, the biases after row-parallel layers and the router whole (every
       tensor rank holds a copy), its stage's embedding and head rows (the vocabulary padded to a
-      multiple of t, as Megatron does) and position table / final norm; experts ÷ (e·t).
+      multiple of t, as Megatron does) and position table / final norm; experts ÷ (e·etp).
     activations per layer (Korthikanti §4, fp16, with dropout):
         s·b·h·34 + 5·a·s²·b                       no parallelism
         s·b·h·(10 + 24/t) + 5·a·s²·b/t            tensor parallel
@@ -77,7 +77,8 @@ arXiv:2001.08361; 8 instead of 6 with full recomputation: one more forward), str
 tp, pp and ep traffic is in the critical path; dp traffic overlaps the backward (2/3 of the
 compute) and cp traffic the attention compute (6·L·s·h per token): only what exceeds them is exposed.
 A group's link is the intra-node one if the rank grid
-(reference.mesh) keeps every group of that axis inside a node, else the inter-node one.
+(:mod:`.placement`, the arithmetic of ``reference.mesh.RankGrid``, with the experts' grid folded over each
+stage) keeps every group of that axis inside a node, else the inter-node one.
 
 Which device.  ``plan(..., stage=k)`` describes the ranks of pipeline stage k (layers split as
 ``reference.pipeline.balanced_sizes``: contiguous, larger stages first; layer i is a MoE layer when

@@ -104,9 +104,13 @@ def ffn_gemms(model: Model, tokens: float, size: float, tp: int) -> dict[str, tu
     return {"fc1": (tokens, up / tp, model.hidden), "fc2": (tokens, model.hidden, size / tp)}
 
 
-def layer_gemms(model: Model, tokens: float, tp: int) -> list[tuple[float, float, float]]:
-    """The forward GEMMs of one dense layer on one device, as (M, N, K): attention's and the dense FFN's."""
-    return [*attention_gemms(model, tokens, tp).values(), *ffn_gemms(model, tokens, model.ffn, tp).values()]
+def layer_gemms(model: Model, tokens: float, tp: int, *, moe: bool = False) -> list[tuple[float, float, float]]:
+    """The forward GEMMs of one layer on one device, as (M, N, K): attention's and the dense FFN's — or, for a MoE
+    layer, its experts' as one GEMM over their k·capacity·T rows at the mean (the time model's are per expert,
+    :mod:`.experts`)."""
+    ffn = ffn_gemms(model, tokens * model.top_k * model.capacity, model.d_expert, tp) if moe else \
+        ffn_gemms(model, tokens, model.ffn, tp)
+    return [*attention_gemms(model, tokens, tp).values(), *ffn.values()]
 
 
 def attention_core_time(model: Model, cluster: Cluster, *, b: int, tp: int, cp: int, flash: bool
@@ -138,19 +142,22 @@ def attention_core_time(model: Model, cluster: Cluster, *, b: int, tp: int, cp: 
     return fwd, bwd
 
 
-def elementwise_bytes(model: Model, tokens: float, tp: int, *, sequence_parallel: bool, ffn: float | None = None
-                      ) -> float:
+def elementwise_bytes(model: Model, tokens: float, tp: int, *, sequence_parallel: bool, moe: bool = False,
+                      ffn: float | None = None) -> float:
     """Bytes one device streams through memory in one layer's forward element-wise kernels.
 
     Per token: two norms (read + write h), two fused bias + dropout + residual adds (read 2h, write h,
     a 1-byte mask of h), and the FFN's activation (bias + GeLU: read + write f/t; SwiGLU: read 2f/t,
     write f/t).  The h-sized ones are cut over t only with sequence parallelism.  ``ffn``: the activations'
     total inner size per token (a MoE layer's k·rows·expert_ffn + the shared experts'; default the dense
-    FFN's).  The backward streams ASSUMED twice as much (each kernel reads its saved input and the incoming
-    gradient).
+    FFN's, or with ``moe`` the experts' at the mean).  The backward streams ASSUMED twice as much (each kernel
+    reads its saved input and the incoming gradient).
     """
     e, h = model.act_bytes, model.hidden
     mask = 1 if model.dropout else 0
     per_h = 2 * (2 * e) + 2 * (3 * e + mask)
-    act = (3 if model.gated_ffn else 2) * e * (model.ffn if ffn is None else ffn) / tp
+    if ffn is None:
+        ffn = model.top_k * model.capacity * model.d_expert + model.shared_experts * model.d_shared if moe \
+            else model.ffn
+    act = (3 if model.gated_ffn else 2) * e * ffn / tp
     return tokens * per_h * h / (tp if sequence_parallel else 1) + tokens * act

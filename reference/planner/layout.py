@@ -29,7 +29,7 @@ from __future__ import annotations
 from .model import Composition, Model
 
 __all__ = ["SCHEDULES", "schedule_name", "chunk_layers", "device_chunks", "chunks_in_flight", "forward_order",
-           "layers_in_flight", "bubble_units", "check_layout"]
+           "chunks_held", "layers_in_flight", "bubble_units", "check_layout"]
 
 SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 
@@ -108,13 +108,33 @@ def forward_order(comp: Composition, device: int, m: int) -> list[int]:
     return order if v > 1 else [mine[0]] * m
 
 
-def layers_in_flight(model: Model, comp: Composition, device: int, m: int) -> tuple[int, int]:
-    """(layers, MoE layers) whose activations device ``device`` holds at its peak: the layers of the first
-    :func:`chunks_in_flight` chunk-forwards of :func:`forward_order` — an embedding-only or loss-only chunk
-    among them holds no layer (Llama 3's and Megatron-Core's layouts)."""
-    chunks = chunk_layers(model, comp)
-    held = forward_order(comp, device, m)[:chunks_in_flight(comp, device, m)]
-    return sum(chunks[c][0] for c in held), sum(chunks[c][1] for c in held)
+def chunks_held(comp: Composition, device: int, m: int) -> dict[int, int]:
+    """{chunk: its chunk-forwards} among those whose activations device ``device`` holds at its peak: the first
+    :func:`chunks_in_flight` of :func:`forward_order` (counted without building the order)."""
+    want = chunks_in_flight(comp, device, m)
+    mine = device_chunks(comp, device)
+    if comp.virtual_stages == 1:
+        return {mine[0]: want}
+    held: dict[int, int] = {}
+    for start in range(0, m, comp.pp):
+        group = min(comp.pp, m - start)
+        for chunk in mine:
+            take = min(group, want)
+            held[chunk] = held.get(chunk, 0) + take
+            want -= take
+            if not want:
+                return held
+    return held
+
+
+def layers_in_flight(model: Model, comp: Composition, device: int, m: int, chunks: list | None = None
+                     ) -> tuple[int, int]:
+    """(layers, MoE layers) whose activations device ``device`` holds at its peak: the layers of the
+    :func:`chunks_held` — an embedding-only or loss-only chunk among them holds no layer (Llama 3's and
+    Megatron-Core's layouts).  ``chunks``: :func:`chunk_layers` if already at hand."""
+    chunks = chunks or chunk_layers(model, comp)
+    held = chunks_held(comp, device, m)
+    return (sum(n * chunks[c][0] for c, n in held.items()), sum(n * chunks[c][1] for c, n in held.items()))
 
 
 def bubble_units(comp: Composition) -> float:

@@ -16,6 +16,7 @@ fixed ``mfu``, 0.4 unless given).  A Cluster with the device's memory bandwidth 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 __all__ = ["Model", "Cluster", "Composition", "GB", "LOAD_IMBALANCE", "tiny_gpt", "cpu_cluster"]
 
@@ -105,7 +106,7 @@ class Model:
         if self.num_experts > 1 and not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"{self.name}: top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
 
-    @property
+    @cached_property
     def moe_layers(self) -> int:
         return sum(self.is_moe(i) for i in range(self.layers)) if self.num_experts > 1 else 0
 

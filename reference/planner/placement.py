@@ -22,15 +22,13 @@ grid, and ``tests/planner`` holds the two equal wherever ``RankGrid`` can state 
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["Span", "DENSE_ORDER", "EXPERT_ORDER", "axis_groups", "group_spans"]
-
-DENSE_ORDER = ("tp", "cp", "dp", "pp")
-EXPERT_ORDER = ("etp", "ep", "edp", "pp")
+__all__ = ["Span", "axis_layout", "axis_groups", "group_spans"]
 
 
 @dataclass(frozen=True)
@@ -45,24 +43,43 @@ class Span:
         return "intra" if self.nodes == 1 else "inter"
 
 
-def axis_groups(sizes: dict[str, int], order: tuple[str, ...], axes: tuple[str, ...]) -> np.ndarray:
-    """Every group of ``axes`` on a grid of ``sizes`` laid out in ``order`` (fastest-varying first): an array
-    (groups, members) of global ranks — the ranks whose coordinates differ only on ``axes``."""
-    grid = np.arange(int(np.prod([sizes[a] for a in order]))).reshape([sizes[a] for a in reversed(order)])
-    dims = [len(order) - 1 - order.index(a) for a in axes]
-    moved = np.moveaxis(grid, dims, list(range(grid.ndim - len(dims), grid.ndim)))
-    return moved.reshape(-1, int(np.prod([sizes[a] for a in axes])))
+def axis_layout(dp: int, tp: int, pp: int, cp: int, ep: int, etp: int) -> dict[str, tuple[int, int]]:
+    """{axis: (stride, size)}: an axis's groups are r + stride·{0, …, size − 1}, stride the product of the sizes of
+    the axes faster than it (tp-cp-dp-pp dense, etp-ep-edp-pp for the experts; dp_cp: cp and dp together)."""
+    block = tp * cp * dp
+    return dict(tp=(1, tp), cp=(tp, cp), dp=(tp * cp, dp), pp=(block, pp), dp_cp=(tp, cp * dp),
+                etp=(1, etp), ep=(etp, ep), edp=(etp * ep, block // (etp * ep)))
 
 
-def _span(groups: np.ndarray, per_node: int) -> Span:
-    """The worst of ``groups``: the most nodes one spans, the fewest members one of its nodes holds."""
-    nodes = np.sort(groups // per_node, axis=1)
-    starts = np.ones(nodes.shape, dtype=bool)
-    starts[:, 1:] = nodes[:, 1:] != nodes[:, :-1]
-    run = np.cumsum(starts, axis=1) - 1                       # which node (run) of its group each member is in
-    counts = np.zeros(nodes.shape, dtype=int)
-    np.add.at(counts, (np.arange(nodes.shape[0])[:, None], run), 1)
-    return Span(int(run[:, -1].max()) + 1, int(counts[counts > 0].min()))
+def _bases(world: int, stride: int, size: int) -> np.ndarray:
+    """The first rank of every group of an axis laid out as (``stride``, ``size``): its coordinate 0."""
+    ranks = np.arange(world)
+    return ranks[(ranks // stride) % size == 0]
+
+
+def axis_groups(world: int, stride: int, size: int) -> np.ndarray:
+    """Every group of an axis laid out as (``stride``, ``size``) on ``world`` ranks: an array (groups, members)."""
+    return _bases(world, stride, size)[:, None] + stride * np.arange(size)[None, :]
+
+
+@lru_cache(maxsize=65536)
+def _span(world: int, stride: int, size: int, per_node: int) -> Span:
+    """The worst group of an axis whose groups are b + stride·{0, …, size−1} (one axis, or adjacent ones, of a
+    mixed-radix grid): the most nodes one spans, the fewest members one of its nodes holds.  The bases are
+    q·stride·size + j (j < stride), and only a base modulo the node size decides how its group falls on nodes:
+    one group per residue is enough."""
+    groups = world // (stride * size)
+    residues = {(q * stride * size + j) % per_node for q in range(min(groups, per_node))
+                for j in range(min(stride, per_node))}
+    worst_nodes, worst_local = 1, size
+    for r in residues:
+        if stride >= per_node:                          # consecutive members a node or more apart
+            nodes, local = size, 1
+        else:
+            counts = Counter((r + stride * i) // per_node for i in range(size)).values()
+            nodes, local = len(counts), min(counts)
+        worst_nodes, worst_local = max(worst_nodes, nodes), min(worst_local, local)
+    return Span(worst_nodes, worst_local)
 
 
 @lru_cache(maxsize=4096)
@@ -76,9 +93,5 @@ def group_spans(world: int, dp: int, tp: int, pp: int, cp: int, ep: int, etp: in
     if block % (etp * ep):
         raise ValueError(f"etp·ep = {etp}·{ep} = {etp * ep} must divide the stage's tp·cp·dp = {tp}·{cp}·{dp} = "
                          f"{block} ranks (the expert grid is folded over them)")
-    dense = dict(tp=tp, cp=cp, dp=dp, pp=pp)
-    expert = dict(etp=etp, ep=ep, edp=block // (etp * ep), pp=pp)
-    out = {a: _span(axis_groups(dense, DENSE_ORDER, (a,)), per_node) for a in DENSE_ORDER}
-    out["dp_cp"] = _span(axis_groups(dense, DENSE_ORDER, ("cp", "dp")), per_node)
-    out.update({a: _span(axis_groups(expert, EXPERT_ORDER, (a,)), per_node) for a in ("etp", "ep", "edp")})
-    return out
+    layout = axis_layout(dp, tp, pp, cp, ep, etp)
+    return {a: _span(world, stride, size, per_node) for a, (stride, size) in layout.items()}

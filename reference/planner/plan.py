@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from .counts import (_stage_params, activation_bytes_per_layer, active_params, allreduce_bytes, bubble_fraction,
                      model_state_bytes, output_layer_bytes)
-from .layout import check_layout, chunk_layers, chunks_in_flight, device_chunks, forward_order, layers_in_flight
+from .layout import check_layout, chunk_layers, chunks_held, device_chunks
 from .model import GB, Cluster, Composition, Model
 from .overlap import resolve
 from .placement import group_spans
@@ -202,8 +202,9 @@ def plan(model: Model, cluster: Cluster, comp: Composition, *, stage: int | None
             seen[key] = _stage_entries(model, comp, m, *key)
         mem_k, comm_k, payload_k, params_k, (per_dense, per_moe, embed_mask) = seen[key]
         # the layers of the chunk-forwards whose activations are alive at the device's peak (.layout)
-        live, live_moe = layers_in_flight(model, comp, k, m)
-        live_embedding = sum(ch == 0 for ch in forward_order(comp, k, m)[:chunks_in_flight(comp, k, m)])
+        alive = chunks_held(comp, k, m)
+        live, live_moe = (sum(n * chunks[c][i] for c, n in alive.items()) for i in (0, 1))
+        live_embedding = alive.get(0, 0)
         mem_k = dict(mem_k, activations=(live - live_moe) * per_dense + live_moe * per_moe
                      + live_embedding * embed_mask)
         states = mem_k["params"] + mem_k["grads"] + mem_k["optimizer"]

@@ -14,7 +14,7 @@ from reference import planner as P
 from reference.mesh import RankGrid
 from reference.planner.collectives import collective_time, expert_all_to_all_time
 from reference.planner.overlap import TE_DEFAULTS, Overlap, TPOverlap
-from reference.planner.placement import Span, axis_groups, group_spans
+from reference.planner.placement import Span, axis_groups, axis_layout, group_spans
 from reference.planner.published import DEEPSEEK_V3, H100_16K_PRESET, LLAMA3_405B, LLAMA3_405B_16K_PLAN, LLAMA3_MFU
 from reference.planner.runs import compare
 from reference.planner.sparse_runs import MIXTRAL_8X7B, MIXTRAL_8X22B, MOE_RUNS, megatron_flops
@@ -100,12 +100,11 @@ def test_the_planners_groups_are_the_course_rank_grid(sizes):
     dense = dict(tp=sizes.get("tp", 1), cp=sizes.get("cp", 1), dp=sizes.get("dp", 1), pp=sizes.get("pp", 1))
     for ep in [e for e in (1, 2, 4) if (dense["dp"] * dense["cp"]) % e == 0]:
         grid = RankGrid(world, ep=ep, **sizes)
-        expert = dict(etp=dense["tp"], ep=ep, edp=dense["dp"] * dense["cp"] // ep, pp=dense["pp"])
-        mine = {a: axis_groups(dense, ("tp", "cp", "dp", "pp"), (a,)) for a in ("tp", "cp", "dp", "pp")}
-        mine.update({a: axis_groups(expert, ("etp", "ep", "edp", "pp"), (a,)) for a in ("ep", "edp")})
-        for axis, groups in mine.items():
+        layout = axis_layout(ep=ep, etp=dense["tp"], **dense)
+        for axis in ("tp", "cp", "dp", "pp", "ep", "edp", "dp_cp"):
+            mine = sorted(sorted(map(int, g)) for g in axis_groups(world, *layout[axis]))
             theirs = sorted(sorted(g) for g in {tuple(grid.ranks(axis, rank=r)) for r in range(world)})
-            assert sorted(sorted(map(int, g)) for g in groups) == theirs, (sizes, ep, axis)
+            assert mine == theirs, (sizes, ep, axis)
 
 
 def test_folding_keeps_the_all_to_all_inside_the_node():
