@@ -61,8 +61,8 @@ def test_drawing_and_player_render_headless():
     player.controls["ep"].value = 1
     player.controls["tp"].value = 4                                   # rebuilds: dp = 8 / (4·2·1) = 1
     assert player.n_steps == 2 and player.state_at(0)["title"].endswith("tp4 pp2")
-    player.controls["ep"].value = 2                                   # ep must divide dp·cp = 1
-    assert "ep=2 must divide" in player.state_at(0)["error"]
+    player.controls["ep"].value = 2                                   # experts at tp 4: etp·ep must divide tp·cp·dp
+    assert "etp·ep = 4·2 = 8 must divide the stage's tp·cp·dp = 4·1·1 = 4" in player.state_at(0)["error"]
 
 
 # -- the notebook's composed runs (small sizes): what the plots and tables show is what the runs did ----------
