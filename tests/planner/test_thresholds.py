@@ -20,8 +20,10 @@ def h100():
 
 def test_links_take_the_presets_achievable_figures(h100):
     c, intra, inter = h100
-    assert intra.flops == pytest.approx(794.5e12) and inter.beta == pytest.approx(50e9 * 0.74)
-    assert intra.beta == pytest.approx(367.61e9) and intra.hbm_bw == pytest.approx(3.35e12 * 1.80 / 2.04)
+    assert intra.flops == pytest.approx(c.flops * c.gemm_ceiling) and intra.flops < c.flops   # the best GEMM
+    assert inter.beta == pytest.approx(c.inter_bw * c.inter_efficiency) and inter.alpha == c.alpha_inter
+    assert intra.beta == pytest.approx(c.intra_bw * c.intra_efficiency) and intra.alpha == c.alpha_intra
+    assert intra.hbm_bw == pytest.approx(c.hbm_bw * c.memory_efficiency) and intra.hbm_bw < c.hbm_bw
     with pytest.raises(ValueError, match="link"):
         th.link_of(c, "nvlink")
 
