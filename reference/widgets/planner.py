@@ -17,6 +17,7 @@ bandwidth argument visible: tensor groups inside a row (fast links), pipeline gr
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..mesh import RankGrid
@@ -178,8 +179,12 @@ def planner_player(models: dict[str, Model], clusters: dict[str, Cluster], *, mo
     def build(model, cluster, tp, pp, cp, ep, zero, recompute):
         m, c = models[model], clusters[cluster]
         dp = max(1, c.devices // (tp * pp * cp))
-        new = Composition(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, recompute=recompute, flash=comp.flash,
-                          virtual_stages=comp.virtual_stages)
+        # the starting plan's interleaving and stage layout (e.g. Llama 3's embedding-only first chunk) hold while
+        # its pipeline does; another pp drops them
+        same_pp = pp == comp.pp
+        new = replace(comp, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, recompute=recompute,
+                      virtual_stages=comp.virtual_stages if same_pp else 1,
+                      stage_layout=comp.stage_layout if same_pp else None, micro_batches=None)
         axes = shown_axes(new)
         cache: dict[int, dict] = {}
 

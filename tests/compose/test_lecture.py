@@ -98,3 +98,13 @@ def test_planner_vs_run_demo_is_exact_on_states_and_bytes(world):
         assert all(want == got > 0 for want, got in v["bytes"].values()), (r, v["bytes"])
         want, got = v["memory"]["activations"]
         assert abs(want - got) <= 0.1 * got, (r, want, got)
+
+
+def test_player_keeps_the_published_interleaving_and_stage_layout_while_its_pipeline_does():
+    from reference.planner.published import H100_16K_PRESET, LLAMA3_405B_STAGES
+    player = planner_player({"405B": LLAMA3_405B}, {"16K": H100_16K_PRESET}, comp=LLAMA3_405B_16K_PLAN)
+    st = player.state_at(0)
+    assert st["error"] is None, st["error"]     # pp 16 × v 8 = 128 chunks for 126 layers: only with the layout's
+    #                                              embedding-only first and loss-only last chunks
+    assert st["step_time"] == plan(LLAMA3_405B, H100_16K_PRESET, LLAMA3_405B_16K_PLAN).step_time
+    assert len(LLAMA3_405B_STAGES) == 128
