@@ -3,8 +3,8 @@ on it, so that the planner's time model can be checked here (``benchmarks/planne
 
 Measured inside a live world of gloo ranks (one thread each, as every course world runs them):
 
-    link      one message of n bytes between two ranks: half a ping-pong, best of several, at a few sizes;
-              α from the smallest, β from the largest (bytes / (t − α))
+    link      one message of n bytes between two ranks: half a ping-pong, best of several, at a sweep of sizes,
+              α and β fitted (:mod:`.measure`, the same measurement lectures 0 and 3 make)
     GEMMs     float64 ``a @ b`` of cubes n³ from 16³ to 768³, best of a few: FLOP/s by the GEMM's FLOPs
               (``Cluster.gemm_sweep``: a GEMM in the plan runs at the sweep's rate for its size, overheads
               of small ones included)
@@ -24,12 +24,12 @@ import time
 import torch
 
 from .. import comm
+from .measure import SIZES, fit_alpha_beta, pingpong_worker
 from .model import GB, Cluster
 
-__all__ = ["link_worker", "kernel_worker", "step_worker", "measured_cluster", "machine_cores"]
+__all__ = ["gemm_sweep_worker", "step_worker", "measured_cluster", "machine_cores"]
 
 GEMM_SIZES = (16, 32, 64, 128, 192, 256, 384, 512, 768)
-LINK_SIZES = (8, 1 << 16, 1 << 20, 1 << 23)
 
 
 def machine_cores() -> int:
@@ -47,28 +47,7 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def link_worker(sizes=LINK_SIZES, repeats: int = 7) -> dict[int, float]:
-    """(ranks 0 and 1 of a world) {bytes: best one-way seconds}: half a ping-pong of a float64 tensor."""
-    me = comm.rank()
-    out = {}
-    for n in sizes:
-        buf = torch.zeros(max(1, n // 8), dtype=torch.float64)
-        best = float("inf")
-        for _ in range(repeats):
-            comm.barrier()
-            t = time.perf_counter()
-            if me == 0:
-                comm.send(buf, 1, what="ping")
-                comm.recv(buf, 1, what="pong")
-            elif me == 1:
-                comm.recv(buf, 0, what="ping")
-                comm.send(buf, 0, what="pong")
-            best = min(best, (time.perf_counter() - t) / 2)
-        out[n] = best
-    return out
-
-
-def kernel_worker(repeats: int = 3) -> dict:
+def gemm_sweep_worker(repeats: int = 3) -> dict:
     """(every rank) {"gemm": ((FLOPs, FLOP/s), ...), "memory_bw": bytes/s, "attention_flops": FLOP/s}, float64."""
     from ..sequence.scaling import fit_block_times, measure_block_times
     g = torch.Generator().manual_seed(0)
@@ -88,16 +67,14 @@ def kernel_worker(repeats: int = 3) -> dict:
 def measured_cluster(world, *, devices: int | None = None) -> tuple[Cluster, dict]:
     """(this machine as a Cluster of ``devices`` ranks (default: the world's), the measurements) — measured on
     ``world`` (a live :class:`reference.launch.World` of at least 2 ranks)."""
-    kernels = world.run(kernel_worker).values
-    links = world.run(link_worker).values[0]
+    kernels = world.run(gemm_sweep_worker).values
+    links = world.run(pingpong_worker, SIZES).values[0]
     # every rank's rates: take the median rank's at each size (the ranks share the machine)
     gemm = tuple((f, statistics.median(k["gemm"][i][1] for k in kernels))
                  for i, (f, _) in enumerate(kernels[0]["gemm"]))
     memory_bw = statistics.median(k["memory_bw"] for k in kernels)
     attention = statistics.median(k["attention_flops"] for k in kernels)
-    alpha = links[min(links)]
-    biggest = max(links)
-    beta = biggest / max(links[biggest] - alpha, 1e-9)
+    alpha, beta = fit_alpha_beta(SIZES, [links[n] for n in SIZES])
     peak = max(r for _, r in gemm)
     n = devices or world.world_size
     cluster = Cluster(f"{n} gloo ranks on this machine (measured)", devices=n, memory=8 * GB, flops=peak,
