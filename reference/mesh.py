@@ -89,7 +89,7 @@ __all__ = ["RankGrid", "AxisGroups", "AXES", "DENSE_ORDER", "EXPERT_ORDER", "ran
 
 DENSE_ORDER = ("tp", "cp", "dp", "pp")      # fastest-varying first
 EXPERT_ORDER = ("etp", "ep", "edp", "pp")
-AXES = ("tp", "cp", "dp", "pp", "etp", "ep", "edp", "dp_cp")
+AXES = ("tp", "cp", "dp", "pp", "etp", "ep", "edp", "dp_cp", "tp_dp_cp")
 
 _DESCRIPTIONS = {
     "tp": "tensor parallel: all-reduce of activations inside each layer",
@@ -100,6 +100,7 @@ _DESCRIPTIONS = {
     "ep": "expert parallel: dispatch/combine all-to-all in MoE layers",
     "edp": "expert data parallel: gradient all-reduce of experts",
     "dp_cp": "dense gradient all-reduce: data × context ranks",
+    "tp_dp_cp": "every rank of a pipeline stage: the tokens a folded MoE layer routes (etp ≠ tp)",
 }
 
 
@@ -147,8 +148,8 @@ class RankGrid:
     and :meth:`coords` describe by default; inside a world it defaults to this process's rank.
 
     Axes: ``"tp"``, ``"cp"``, ``"dp"``, ``"pp"`` (dense grid), ``"etp"``, ``"ep"``, ``"edp"`` (expert
-    grid, with the same ``"pp"``), and ``"dp_cp"`` (the dp × cp ranks over which dense gradients are
-    averaged).
+    grid, with the same ``"pp"``), ``"dp_cp"`` (the dp × cp ranks over which dense gradients are
+    averaged) and ``"tp_dp_cp"`` (all the ranks of one pipeline stage).
     """
 
     def __init__(self, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
@@ -188,7 +189,7 @@ class RankGrid:
     def sizes(self) -> dict[str, int]:
         """Group size of every axis."""
         return dict(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, etp=self.etp, ep=self.ep, edp=self.edp,
-                    dp_cp=self.dp * self.cp)
+                    dp_cp=self.dp * self.cp, tp_dp_cp=self.tp * self.dp * self.cp)
 
     def _rank(self, rank: int | None) -> int:
         if rank is None:
@@ -238,6 +239,8 @@ class RankGrid:
             return self._expert, (expert[axis],)
         if axis == "dp_cp":
             return self._dense, (1, 2)
+        if axis == "tp_dp_cp":
+            return self._dense, (1, 2, 3)
         raise ValueError(f"RankGrid: unknown axis {axis!r}; choose one of {', '.join(AXES)}")
 
     def ranks(self, axis: str, rank: int | None = None) -> list[int]:

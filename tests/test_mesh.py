@@ -202,6 +202,7 @@ DENSE = ("tp", "cp", "dp", "pp")
 FIXED = {  # a group on an axis = the ranks that agree on every OTHER coordinate of its grid
     "tp": ("cp", "dp", "pp"), "cp": ("tp", "dp", "pp"), "dp": ("tp", "cp", "pp"), "pp": ("tp", "cp", "dp"),
     "etp": ("ep", "edp", "pp"), "ep": ("etp", "edp", "pp"), "edp": ("etp", "ep", "pp"), "dp_cp": ("tp", "pp"),
+    "tp_dp_cp": ("pp",),
 }
 
 

@@ -164,7 +164,8 @@ class MoELayer(nn.Module):
         self.load.zero_()
 
     def count_load(self, expert_index: torch.Tensor) -> None:
-        if self.training:
+        """Add this forward's assignments to ``load`` — while training with gradients (not in an evaluation)."""
+        if self.training and torch.is_grad_enabled():
             self.load += torch.bincount(expert_index.flatten(), minlength=self.num_experts).to(self.load.dtype)
 
     def forward(self, x: torch.Tensor, sequence: torch.Tensor | None = None,

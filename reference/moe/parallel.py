@@ -305,6 +305,7 @@ class ExpertParallelMoE(nn.Module):
         self.experts_impl, self.overlap, self.max_nodes = experts_impl, overlap, max_nodes
         if shared is not None:
             self.shared = shared
+        self.add_shared = True          # False: the caller runs ``shared`` itself (reference.compose's folded layer)
         self.node_of_expert = None
         if max_nodes is not None:
             g = _world_if_none(group)
@@ -436,7 +437,7 @@ class ExpertParallelMoE(nn.Module):
                                 gating=self.gating())
         emit_route(routing, num_experts=E, capacity=capacity, k=self.k, where="expert_parallel")
         idx, kept = routing["expert_index"], routing["kept"]
-        if self.training:
+        if self.training and torch.is_grad_enabled():
             self.load += torch.bincount(idx.flatten(), minlength=E).to(self.load.dtype)
         aux_loss = self._aux_loss(routing["probs"], idx, sequence, num_sequences)
 
@@ -455,7 +456,7 @@ class ExpertParallelMoE(nn.Module):
             with trace.span("compute", what="experts", tokens_per_expert=filled.sum(0).tolist()):
                 out = self._run_experts_padded(x_recv, filled, capacity)
             y = _combine_rows(out, routing, E, capacity, group)                     # combine, untransposed
-        if getattr(self, "shared", None) is not None:
+        if getattr(self, "shared", None) is not None and self.add_shared:
             y = y + self.shared(x)
 
         kept_per_expert = torch.bincount(idx[kept], minlength=E)
