@@ -94,10 +94,10 @@ def _grouped(kind: str, w: list[torch.Tensor], x: torch.Tensor, counts: list[int
     mm = lambda a, weight: torch._grouped_mm(a, weight.to(a.dtype).transpose(1, 2), offs=offs)  # noqa: E731
     if kind == "gelu":
         w1, b1, w2, b2 = w
-        per_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
-                                          torch.tensor(counts, device=x.device), output_size=x.shape[0])
-        h = F.gelu(mm(x, w1) + b1.to(x.dtype)[per_row])
-        return mm(h, w2) + b2.to(x.dtype)[per_row]
+        n = torch.tensor(counts, device=x.device)
+        per_row = lambda b: b.to(x.dtype).repeat_interleave(n, dim=0, output_size=x.shape[0])  # noqa: E731
+        h = F.gelu(mm(x, w1) + per_row(b1))
+        return mm(h, w2) + per_row(b2)
     w1, w2, w3 = w
     return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
 

@@ -230,3 +230,23 @@ def test_balance_over_training_series_follow_the_bias_rule_and_train_single():
         assert len(r["max_over_mean"]) == 6 and all(1.0 <= x <= 4 / 2 + 1e-12 for x in r["max_over_mean"])
         assert all(sum(layer) == 2 * 4 * 8 for step in r["loads"] for layer in step)      # k · B · S
     assert all(b == [0.0] * 4 for step in res["runs"]["aux"]["bias"] for b in step)      # no bias without loss_free
+
+
+def test_our_layer_equals_torchtitans_moe_when_installed():
+    """The production twin (benchmarks/moe_twin.py): torchtitan 0.3.0's MoE with our weights, forward and backward
+    within bfloat16's rounding (its experts run in bfloat16), the same choices — where it is installed in
+    benchmarks/.peers (``make bench`` installs it; not a test dependency)."""
+    import sys
+    from pathlib import Path
+    bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        import moe_twin
+        if not moe_twin.load_peer(install=False):
+            pytest.skip("torchtitan is not installed in benchmarks/.peers (make bench installs it)")
+        for router, k, shared in (("sigmoid", 4, 1), ("softmax", 2, 0)):
+            d = moe_twin.compare(router=router, k=k, shared_experts=shared)
+            assert d.pop("same_choices")
+            assert max(d.values()) <= moe_twin.TOLERANCE, d
+    finally:
+        sys.path.remove(bench)
