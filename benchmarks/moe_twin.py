@@ -18,10 +18,12 @@ What it takes to run on CPU (measured, torch 2.13.0, Python 3.11):
 * expert parallelism (its ``AllToAllTokenDispatcher`` over a DeviceMesh) is not compared: one process here,
   the course's own expert-parallel layer is held equal to its one-process layer by the tests.
 
-Megatron-Core's MoE layer was tried too (``megatron-core`` 0.16.1, the last for Python 3.11; ``--no-deps``):
-its ``parallel_state.RankGenerator`` imports on CPU and ``tests/test_mesh.py`` holds our groups equal to it,
-but its ``MoELayer`` needs ``parallel_state.initialize_model_parallel`` (NCCL-only options, ``torch.cuda``
-calls in its token dispatcher and router); see the README's MoE section.
+Megatron-Core's MoE layer was tried too (``megatron-core`` 0.16.1, the last for Python 3.11; ``--no-deps``;
+gloo, 1 rank, local spec, no TransformerEngine): ``parallel_state.initialize_model_parallel`` works on CPU
+(and ``tests/test_mesh.py`` holds our groups equal to its ``RankGenerator``), but its ``MoELayer`` does not
+run: with the ``alltoall`` dispatcher its constructor calls ``torch.cuda.Stream()`` (token_dispatcher.py:445,
+"torch.cuda.Stream requires CUDA support"); with ``allgather`` the forward moves the router's weight to
+``torch.cuda.current_device()`` (router.py:90, "Torch not compiled with CUDA enabled").
 """
 from __future__ import annotations
 
