@@ -85,6 +85,10 @@ def test_expert_parallel_outputs_and_gradients_equal_single_process(results, W, 
 ODD = {  # an odd world size: 3 ranks, 6 experts (2 per rank)
     "top2_cf0.5_drops_E6": (dict(num_experts=6, k=2, capacity_factor=0.5), True),
     "dropless_top1_skewed_uneven_T_E6": (dict(num_experts=6, k=1, dropless=True, hot_experts=[2], uneven=2), False),
+    # frontier, odd: sigmoid top-3 of 6, a shared expert, a loss-free bias, overlapped halves of 1, 3 and 5 tokens
+    "frontier_sigmoid_top3_overlap_tiny_T_E6": (dict(num_experts=6, k=3, dropless=True, router="sigmoid",
+                                                     shared_experts=1, balance="loss_free", bias_scale=0.3,
+                                                     overlap=True, tokens=1, uneven=2), False),
 }
 CASES.update(ODD)
 
