@@ -1,6 +1,7 @@
 """Lecture 5b, part 2 — the single-process MoE layer: the ground truth for expert parallelism.
 
-``MoELayer`` routes T tokens with :func:`top_k_gating` and runs each expert on the tokens kept
+``MoELayer`` routes T tokens with :func:`top_k_gating` (:func:`top_k_routing` with the frontier options
+below) and runs each expert on the tokens kept
 in its buffer, one expert after the other (the common "loop over experts" implementation).  The
 expert-parallel layer (:mod:`reference.moe.parallel`) must compute exactly this, outputs and
 gradients, for each rank's tokens.

@@ -214,7 +214,7 @@ def ep_dp_grad_sync(cfg: dict, divide_by: str = "dp") -> dict:
     return {"router_grad": ep.router.weight.grad, "truth_router": truth["router_grad"],
             "expert_grads": [_grads(ex) for ex in ep.experts],
             "truth_experts": truth["expert_grads"][first:first + len(ep.experts)],
-            "aux": float(st["aux_loss"]), "truth_aux": float(truth["aux"]), "y": y.detach(),
+            "aux": float(st["aux_loss"].detach()), "truth_aux": float(truth["aux"]), "y": y.detach(),
             "truth_y": truth["y"][r]}
 
 
