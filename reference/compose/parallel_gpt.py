@@ -49,7 +49,9 @@ the same shard and saw different tokens, ``edp`` = dp·cp/ep ranks that hold the
     ln1, ln2, ln_f, pos_emb,           — (tp copies)   dp_cp                      tp copies saw the same
     proj.bias, fc2.bias, router                                                   tokens: equal grads already
       … with sequence_parallel         — (tp copies)   Σ over tp, then dp_cp      each tp rank saw S/tp rows
-    experts (0 = fc1, 2 = fc2)         ep × tp         Σ over edp, ÷ dp·cp        the all-to-all already
+      (a folded MoE layer's router     — (tp copies)   Σ over tp, then dp_cp      each tp rank routed 1/tp)
+    shared experts (moe.shared)        tp              dp_cp                      as the MLP
+    experts (0 = fc1, 2 = fc2)         ep × etp        Σ over edp, ÷ dp·cp        the all-to-all already
                                                                                   summed the ep group's tokens
     (any of them)                      pp (stages)     —                          one stage owns it
 
@@ -61,15 +63,15 @@ On 8 ranks, tp = cp = dp = 2 (rank = tp + 2·(cp + 2·dp), reference.mesh)::
                                         quarters of the batch (2 sequences × 2 halves), so rank 0's
                                         qkv shard steps with the mean of these four gradients
 
-The MoE aux loss with pp > 1.  One process minimises L = CE + α·(1/N_moe)·Σ_l aux_l over the
-model's N_moe MoE layers, but a stage's aux losses never reach the last stage, where the
-executor back-propagates CE/m per micro-batch.  As Megatron-Core does (``MoEAuxLossAutoScaler``),
-each MoE layer returns its output through :class:`AuxLossAutoScaler`: unchanged forward, and in
-backward it also gives its aux loss the gradient ∂L/∂aux_l = α/N_moe/m, so every stage
-back-propagates its own aux losses with the weight the single-process loss gives them, and no
+The MoE router losses with pp > 1.  One process minimises L = CE + (1/N_moe)·Σ_l (α·aux_l + β·z_l)
+over the model's N_moe MoE layers, but a stage's router losses never reach the last stage, where
+the executor back-propagates CE/m per micro-batch.  As Megatron-Core does (``MoEAuxLossAutoScaler``),
+each MoE layer returns its output through :class:`AuxLossAutoScaler` (.moe_layer): unchanged
+forward, and in backward it also gives its α·aux + β·z the gradient 1/N_moe/m, so every stage
+back-propagates its own router losses with the weight the single-process loss gives them, and no
 extra message is sent.  With m micro-batches each aux loss is that of one micro-batch's tokens
 (over dp_cp), as in Megatron; the ground truth is then ``train_single(…, microbatches=m, dp=dp)``.
-With pp = 1, ``loss_fn`` adds α × the mean aux loss itself, as TinyGPT.loss does.
+With pp = 1, ``loss_fn`` adds α × the mean aux loss (and β × the mean z-loss) itself, as TinyGPT.loss does.
 
 The vocabulary (27 characters) rarely divides by tp: as Megatron does, it is padded to a multiple
 of tp with zero rows; the padded logits are set to −∞ before the loss, so the loss, every
@@ -401,7 +403,7 @@ class ParallelGPT(nn.Module):
                 mlp.update_bias()
 
     def aux_share(self) -> float:
-        """pp > 1: Σ over this stage's MoE layers and the step's micro-batches of aux_scale · aux, this
+        """pp > 1: Σ over this stage's MoE layers and the step's micro-batches of aux_scale · (α·aux + β·z), this
         stage's part of the reported loss (the last stage's loss holds the cross-entropy only); 0 with pp = 1."""
         return sum(mlp.aux_weighted for mlp in self.moe_layers)
 
