@@ -43,8 +43,8 @@ from torch import nn
 
 from .. import trace
 from .experts import Expert, make_expert, run_experts
-from .routing import (ROUTERS, expert_capacity, gshard_random_routing, loss_free_bias_update, router_z_loss,
-                      sequence_balance_loss, top_k_routing)
+from .routing import (ROUTERS, check_node_limit, expert_capacity, gshard_random_routing, loss_free_bias_update,
+                      router_z_loss, sequence_balance_loss, top_k_routing)
 
 __all__ = ["Expert", "MoELayer", "route", "BALANCES", "balance_loss"]
 
@@ -134,6 +134,8 @@ class MoELayer(nn.Module):
                              f"got {router!r}, {balance!r}, {shared_experts!r}")
         if max_nodes is not None and (node_of_expert is None or len(node_of_expert) != num_experts or max_nodes < 1):
             raise ValueError("max_nodes needs node_of_expert, one node per expert, and max_nodes >= 1")
+        if max_nodes is not None:
+            check_node_limit(node_of_expert, max_nodes, k)
         self.d_model, self.d_ff, self.num_experts = d_model, d_ff, num_experts
         self.k, self.capacity_factor, self.dropless = k, capacity_factor, dropless
         self.jitter, self.random_second_expert = jitter, random_second_expert

@@ -67,7 +67,7 @@ from .assignments import _by_expert, _experts_per_rank, _kept_assignments  # noq
 from .experts import run_experts
 from .layer import BALANCES, MoELayer, balance_loss, emit_route, route
 from .placement import expert_nodes
-from .routing import expert_capacity, loss_free_bias_update, router_z_loss
+from .routing import check_node_limit, expert_capacity, loss_free_bias_update, router_z_loss
 
 __all__ = ["all_to_all", "dispatch", "combine", "dispatch_dropless", "combine_dropless", "ExpertParallelMoE",
            "mean_share"]
@@ -312,6 +312,7 @@ class ExpertParallelMoE(nn.Module):
             ranks = list(range(comm.world_size(g))) if g is None else [comm.global_rank(g, i)
                                                                         for i in range(comm.world_size(g))]
             self.node_of_expert = torch.tensor(expert_nodes(num_experts, ranks, devices_per_node))
+            check_node_limit(self.node_of_expert, max_nodes, k)
         self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=balance.startswith("loss_free"))
         self.register_buffer("load", torch.zeros(num_experts), persistent=False)
 

@@ -192,18 +192,27 @@ def node_limited_mask(scores: torch.Tensor, node_of_expert: torch.Tensor, max_no
     scores (fewer if it holds fewer); ties go to the lower node.  ValueError if M nodes cannot hold
     k experts.
     """
+    check_node_limit(node_of_expert, max_nodes, k)
     nodes = torch.unique(node_of_expert)
     if max_nodes >= len(nodes):
         return torch.ones_like(scores, dtype=torch.bool)
     per_node = [(node_of_expert == n).nonzero().flatten() for n in nodes.tolist()]
-    if sum(sorted(len(p) for p in per_node)[:max_nodes]) < k:
-        raise ValueError(f"max_nodes={max_nodes}: the {max_nodes} smallest nodes hold fewer than k={k} experts")
     g = -(-k // max_nodes)
     node_score = torch.stack([scores[:, p].topk(min(g, len(p)), dim=-1).values.sum(-1) for p in per_node], 1)
     best = node_score.topk(max_nodes, dim=-1).indices                                         # (T, M)
     chosen_nodes = torch.zeros_like(node_score, dtype=torch.bool).scatter_(1, best, True)     # (T, N)
     column = torch.searchsorted(nodes, node_of_expert)                                         # (E,) node column
     return chosen_nodes[:, column]
+
+
+def check_node_limit(node_of_expert, max_nodes: int, k: int) -> None:
+    """ValueError unless any ``max_nodes`` nodes of ``node_of_expert`` hold at least k experts (checked when a
+    layer is built: every rank raises the same, before any message)."""
+    counts = sorted(torch.bincount(torch.as_tensor(node_of_expert)).tolist())
+    counts = [c for c in counts if c]
+    if max_nodes < 1 or sum(counts[:max_nodes]) < k:
+        raise ValueError(f"max_nodes={max_nodes}: the {max_nodes} smallest nodes hold fewer than k={k} experts "
+                         f"(experts per node: {counts})")
 
 
 def sequence_ids(batch: int, seq_len: int, *, sequence_first: bool = False, first: int = 0) -> torch.Tensor:

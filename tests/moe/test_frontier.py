@@ -73,6 +73,8 @@ def test_node_limited_mask_by_hand():
     assert mask.tolist() == [[False, False, True, True, False, False], [False, False, False, False, True, True]]
     with pytest.raises(ValueError, match="fewer than k=3"):
         node_limited_mask(scores, torch.tensor([0, 0, 1, 1, 2, 2]), 1, 3)
+    with pytest.raises(ValueError, match="fewer than k=3"):         # and when a layer is built, before any message
+        MoELayer(4, 8, 6, k=3, dropless=True, node_of_expert=[0, 0, 1, 1, 2, 2], max_nodes=1)
 
 
 def test_sequence_balance_loss_is_the_mean_of_each_sequences_own_loss():
