@@ -30,7 +30,10 @@ Frontier MoE layers (DeepSeekMoE arXiv:2401.06066, DeepSeek-V3 arXiv:2412.19437)
                                  optimizer step from the loads counted since (:meth:`MoELayer.update_bias`)
     balance = "seq_aux"          the balance loss per sequence, averaged (pass ``sequence`` to forward)
     max_nodes = M                node-limited routing over ``node_of_expert``
-    experts_impl                 "loop", "grouped" (one ``torch._grouped_mm``) or "auto" (.experts)
+    experts_impl                 "loop" (default), "grouped" (one ``torch._grouped_mm``) or "auto" (.experts);
+                                 the loop by default: on CPU the grouped GEMM is no faster forward + backward
+                                 (benchmarks/moe_frontier.py), and torch's FlopCounterMode does not count
+                                 ``_grouped_mm`` (1,024 of 132,096 FLOPs per token seen, d 64, f 256, top-2)
 
 ``stats["aux_loss"]`` is the balance loss to back-propagate (weighted by your α): Switch's for
 "aux", the sequence-wise one for "seq_aux" and "loss_free+seq_aux" (DeepSeek-V3's guard), and a
@@ -103,7 +106,7 @@ class MoELayer(nn.Module):
 
     MoELayer(d_model, d_ff, num_experts, k=2, capacity_factor=1.0, dropless=False, router="softmax",
              shared_experts=0, activation="gelu", balance="aux", bias_update_rate=1e-3,
-             node_of_expert=None, max_nodes=None, experts_impl="auto")
+             node_of_expert=None, max_nodes=None, experts_impl="loop")
 
     forward(x: (T, d_model), sequence=None, num_sequences=None) -> (y: (T, d_model), stats) where the
     T tokens are one routing group (capacity ``ceil(k·cf·T/E)``, or none if ``dropless``), ``sequence``
@@ -125,7 +128,7 @@ class MoELayer(nn.Module):
                  dropless: bool = False, jitter: float = 0.0, random_second_expert: bool = False,
                  router: str = "softmax", shared_experts: int = 0, activation: str = "gelu", balance: str = "aux",
                  bias_update_rate: float = 1e-3, node_of_expert=None, max_nodes: int | None = None,
-                 experts_impl: str = "auto"):
+                 experts_impl: str = "loop"):
         super().__init__()
         if not 1 <= k <= num_experts:
             raise ValueError(f"k must be between 1 and num_experts={num_experts}, got {k}")

@@ -287,7 +287,7 @@ class ExpertParallelMoE(nn.Module):
                  capacity_factor: float, dropless: bool, group=None, jitter: float = 0.0,
                  random_second_expert: bool = False, aux_group="ep", router_kind: str = "softmax",
                  balance: str = "aux", bias_update_rate: float = 1e-3, shared: nn.Module | None = None,
-                 experts_impl: str = "auto", overlap: bool = False, max_nodes: int | None = None,
+                 experts_impl: str = "loop", overlap: bool = False, max_nodes: int | None = None,
                  devices_per_node: int | None = None, aux_ranks: int | None = None):
         super().__init__()
         if balance not in BALANCES:

@@ -128,6 +128,22 @@ def test_grouped_gemm_equals_the_loop_outputs_and_gradients(activation, dtype):
         torch.testing.assert_close(a, b, **tol)
 
 
+def test_a_layer_on_the_grouped_gemm_equals_the_layer_on_the_loop():
+    torch.manual_seed(3)
+    layers = {impl: MoELayer(16, 8, 8, k=4, dropless=True, router="sigmoid", shared_experts=1, experts_impl=impl)
+              for impl in ("loop", "grouped")}
+    layers["grouped"].load_state_dict(layers["loop"].state_dict())
+    x = torch.randn(24, 16)
+    out = {}
+    for impl, layer in layers.items():
+        xi = x.clone().requires_grad_()
+        y, st = layer(xi)
+        (y.square().sum() + st["aux_loss"]).backward()
+        out[impl] = [y.detach(), xi.grad] + [p.grad for p in layer.parameters()]
+    for a, b in zip(out["grouped"], out["loop"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 def test_grouped_gemm_refuses_float64_and_unaligned_rows_by_name():
     e = [make_expert(6, 8) for _ in range(2)]
     with pytest.raises(ValueError, match="float32 or bfloat16"):
