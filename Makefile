@@ -36,10 +36,12 @@ bench: $(VENV)/.stamp-test
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-# Teachers (see docs/teachers.md): the student release (no solution bodies) and the Gradescope bundle.
+# Teachers (see docs/teachers.md): the student release (no solution bodies) and the Gradescope bundle, each naming
+# the version and commit it was built from; both refuse uncommitted changes in what they ship unless ALLOW_DIRTY=1.
 .PHONY: release autograder
+DIRTY_FLAG = $(if $(filter-out 0 no false,$(ALLOW_DIRTY)),--allow-dirty,)
 release: $(VENV)/.stamp-test
-	$(VPY) -m exercises.grading.release student --out release
+	$(VPY) -m exercises.grading.release student --out release $(DIRTY_FLAG)
 
 autograder: $(VENV)/.stamp-test
-	$(VPY) -m exercises.grading.release autograder --out autograder
+	$(VPY) -m exercises.grading.release autograder --out autograder $(DIRTY_FLAG)
