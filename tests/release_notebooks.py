@@ -37,3 +37,12 @@ def problems(cells, imported: list[str], release: str) -> list[str]:
         if "not implemented" not in "\n".join(cell_text(c) for c in code):
             out.append("its check(...) cells do not say 'not implemented'")
     return out
+
+
+def keep_run(cells, source, dest) -> None:
+    """Write a release notebook as it ran (``cells``: its executed cells, nbformat dicts) to ``dest``, with the
+    metadata of the notebook file ``source``."""
+    import nbformat
+    nb = nbformat.read(source, as_version=4)
+    nb.cells = [nbformat.from_dict(c) for c in cells]
+    nbformat.write(nb, dest)
