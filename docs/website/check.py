@@ -41,6 +41,7 @@ def _parse(page: Path) -> _Links:
 
 def broken_links(site: Path) -> list[str]:
     """Every link and source of every page (not the theme's templates in ``_static/``) that resolves to nothing."""
+    site = site.resolve()
     pages = {p: _parse(p) for p in site.rglob("*.html") if "_static" not in p.relative_to(site).parts}
     out = []
     for page, parsed in pages.items():
@@ -57,13 +58,13 @@ def broken_links(site: Path) -> list[str]:
             target = (page.parent / unquote(parts.path)).resolve() if parts.path else page
             if target.is_dir():
                 target = target / "index.html"
-            if not target.is_file() or site.resolve() not in target.parents:
+            if not target.is_file() or site not in target.parents:
                 out.append(f"{rel}: {attr}={value!r} names a file the site does not have")
                 continue
             if parts.fragment and target.suffix == ".html":
                 ids = pages[target].ids if target in pages else _parse(target).ids
                 if unquote(parts.fragment) not in ids:
-                    out.append(f"{rel}: {attr}={value!r}: no #{parts.fragment} on {target.relative_to(site.resolve())}")
+                    out.append(f"{rel}: {attr}={value!r}: no #{parts.fragment} on {target.relative_to(site)}")
     return out
 
 
