@@ -44,5 +44,8 @@ def keep_run(cells, source, dest) -> None:
     metadata of the notebook file ``source``."""
     import nbformat
     nb = nbformat.read(source, as_version=4)
-    nb.cells = [nbformat.from_dict(c) for c in cells]
+    # JupyterLab writes "attachments": null on a markdown cell without any; nbformat wants none or a dict
+    nb.cells = [nbformat.from_dict({k: v for k, v in c.items() if not (k == "attachments" and v is None)})
+                for c in cells]
+    nbformat.validate(nb)
     nbformat.write(nb, dest)

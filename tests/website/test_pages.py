@@ -104,3 +104,19 @@ def test_make_site_is_a_teachers_command_the_student_release_leaves_out():
     dry = subprocess.run(["make", "-n", "site", "RELEASE=rel/x", "ONLY=04b_pipeline_parallelism"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert "docs/website/build.py --out site --release rel/x --only 04b_pipeline_parallelism" in dry
+
+
+def test_a_notebook_as_jupyterlab_ran_it_is_kept_for_the_site(tmp_path):
+    """tests/notebook/test_browser.py keeps each release notebook as JupyterLab's model holds it (its JSON has
+    ``"attachments": null`` on markdown cells) for tests/website/test_site.py."""
+    from tests.release_notebooks import keep_run
+    source = ROOT / "notebooks" / "index.ipynb"
+    lab_cells = [{"id": "a1", "cell_type": "markdown", "metadata": {}, "source": "# Course", "attachments": None},
+                 {"id": "c1", "cell_type": "code", "metadata": {}, "source": "1 + 1", "execution_count": 1,
+                  "outputs": [{"output_type": "execute_result", "execution_count": 1, "metadata": {},
+                               "data": {"text/plain": "2", "text/html": "<b>2</b>"}}]}]
+    keep_run(lab_cells, source, tmp_path / "index.ipynb")
+    kept = nbformat.read(tmp_path / "index.ipynb", as_version=4)
+    assert kept.metadata == nbformat.read(source, as_version=4).metadata
+    assert [c.cell_type for c in kept.cells] == ["markdown", "code"]
+    assert kept.cells[1].outputs[0]["data"]["text/html"] == "<b>2</b>"
