@@ -111,11 +111,14 @@ def sphinx(src: Path, out: Path, doctrees: Path) -> str:
 def build(out: Path, executed: Path, names: list[str], work: Path = BUILD) -> list[str]:
     """Pages from the executed notebooks in ``executed`` to a checked site in ``out``; return its problems."""
     write_sources(executed, work / "src", names)
-    if out.exists():
-        shutil.rmtree(out)
-    warnings = sphinx(work / "src", out, work / "doctrees")
+    html = work / "html"        # MyST-NB keeps the outputs' files beside Sphinx's output folder: inside work/
+    for folder in (html, out):
+        if folder.exists():
+            shutil.rmtree(folder)
+    warnings = sphinx(work / "src", html, work / "doctrees")
     if warnings.strip():
         print(warnings.strip())
+    shutil.move(html, out)
     return check.problems(out)
 
 
