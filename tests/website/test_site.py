@@ -2,7 +2,7 @@
 (docs/website/build.py: pages from the student release's executed notebooks, Sphinx, the checks), served on
 loopback and opened in headless Chromium.
 
-The notebooks are the ones tests/notebook/test_browser.py ran in JupyterLab this session, with their replays'
+The notebooks are the ones tests/notebook/test_browser.py ran in JupyterLab in the same test run, with their replays'
 HTML animations (nothing runs twice); alone, this test executes them itself, as ``make site`` does.  The
 lecture is 4b: its Gantt chart is a replay, and it has maths and figures.
 
@@ -39,7 +39,7 @@ PAGES = ["index.html", f"{LECTURE}.html", "references.html"]
 @pytest.fixture(scope="module")
 def site(release_runs, student_release, tmp_path_factory):
     """The site of the index and LECTURE, from the release's notebooks as test_browser.py ran them in JupyterLab
-    (this session's, when it ran; else executed here as ``make site`` does)
+    (when it ran in this test run; else executed here as ``make site`` does)
     -> (folder, its problems by check.py, (figures, replays) the lecture's run drew)."""
     _require_browser()
     tmp = tmp_path_factory.mktemp("website")
