@@ -11,7 +11,9 @@ A widget is two parts:
 size, ...) and an image that is re-rendered for each frame.  It never sleeps in a loop — the Play
 button's timer runs in the browser — so it also works in a kernel with no front end.  For
 headless execution (nbval, nbconvert) its rich display carries a PNG of the first frame next to
-the widget, so a notebook run without a browser still shows a picture.
+the widget, so a notebook run without a browser still shows a picture — and, where no Jupyter server
+started the kernel, the whole replay as a self-contained HTML animation (:mod:`.animation`) that
+plays without a kernel (the course's website is built from such runs).
 """
 from __future__ import annotations
 
@@ -114,4 +116,7 @@ class Player:
         bundle = dict(bundle)
         bundle["image/png"] = base64.b64encode(self.png(min(self.static_step, max(0, self.n_steps - 1)))).decode()
         bundle.setdefault("text/plain", f"<{type(self).__name__}: {self.n_steps} steps>")
+        from . import animation
+        if animation.wanted():       # no front end will draw the widget: the replay as a self-contained page
+            bundle["text/html"] = animation.to_html(self)
         return bundle

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BROWSER_HOW, browser_missing, chromium_path
-from tests.release_notebooks import WHERE, problems
+from tests.conftest import BROWSER_HOW, browser_missing, headless_chromium
+from tests.release_notebooks import WHERE, keep_run, problems
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
@@ -66,8 +66,11 @@ def lab(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("browser")
     shutil.copytree(release / "notebooks", tmp / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
     port = _free_port()
+    # COURSE_ANIMATIONS=html: the replays also carry their HTML animations (the lab draws the widget), so the
+    # notebooks run here can be the website's (tests/website/test_site.py builds pages from them)
     env = dict(os.environ, JUPYTER_CONFIG_PATH=str(ROOT / "scripts" / "jupyter"), JUPYTER_CONFIG_DIR=str(tmp / "cfg"),
-               JUPYTER_RUNTIME_DIR=str(tmp / "rt"), BROWSER="true", PYTHONUNBUFFERED="1", PYTHONPATH=str(release))
+               JUPYTER_RUNTIME_DIR=str(tmp / "rt"), BROWSER="true", PYTHONUNBUFFERED="1", PYTHONPATH=str(release),
+               COURSE_ANIMATIONS="html")
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
            f"--ServerApp.token={TOKEN}", f"--ServerApp.root_dir={tmp / 'notebooks'}",
            f"--LabApp.workspaces_dir={tmp / 'ws'}", "--LabApp.expose_app_in_browser=True", "--allow-root"]
@@ -96,14 +99,8 @@ def lab(tmp_path_factory, request):
 
 @pytest.fixture(scope="module")
 def browser(lab):
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=chromium_path(), headless=True,
-                              args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])
-        try:
-            yield b
-        finally:
-            b.close()
+    with headless_chromium() as b:
+        yield b
 
 
 # -- in the page ------------------------------------------------------------------------------------
@@ -177,9 +174,10 @@ RUN_LIMIT = 300                   # seconds one notebook may take to run all its
 
 
 @pytest.fixture(scope="module")
-def executed(lab, browser):
+def executed(lab, browser, release_runs):
     """Open every notebook in its own fresh workspace and run all its cells, PARALLEL at a time.
-    -> {name: (page, summary of the run, seconds)}; the pages stay open for the widget checks."""
+    -> {name: (page, summary of the run, seconds)}; the pages stay open for the widget checks.  Each notebook,
+    as it ran, is also kept in ``release_runs`` (conftest.py) for the website's test."""
     url, _ = lab
     queue, running, done = list(NOTEBOOKS), {}, {}
     t_all = time.perf_counter()
@@ -207,6 +205,9 @@ def executed(lab, browser):
                     del running[name]
         print(f"\nall {len(NOTEBOOKS)} notebooks ran in the browser in {time.perf_counter() - t_all:.1f} s "
               f"({PARALLEL} at a time)")
+        for name, (_, summary, _) in done.items():
+            if summary and not summary["errors"] and summary.get("cells"):
+                keep_run(summary["cells"], lab[1] / "notebooks" / name, release_runs / name)
         yield done
     finally:
         for page, _, _ in done.values():
