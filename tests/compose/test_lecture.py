@@ -149,3 +149,22 @@ def test_the_lectures_predictions_and_worked_answers_hold_in_the_planner():
     z1, z3, pp2 = (plan(m70, h1k, c) for c in (C(dp=128, tp=8, zero=1, flash=True), C(dp=128, tp=8, zero=3, flash=True),
                                                C(dp=512, pp=2, zero=3, flash=True, recompute="full")))
     assert z1.fits and z1.step_time < z3.step_time < pp2.step_time and abs(pp2.bubble - 0.5) < 0.01
+
+
+def test_a_folded_expert_grid_is_drawn_with_its_ep_groups_inside_a_node():
+    from reference.planner.sparse_runs import MIXTRAL_8X7B
+    h64 = Cluster.preset("h100-80gb-sxm", 64)
+    at_tp = Composition(dp=8, tp=8, ep=8, flash=True)
+    folded = Composition(dp=8, tp=8, ep=8, etp=1, flash=True)
+    assert shown_axes(at_tp) == ["tp", "dp", "ep"]                        # edp = 64 / (8·8) = 1: not shown
+    assert shown_axes(folded) == ["tp", "dp", "ep", "edp"]                  # etp 1: nothing to colour
+    unfolded_ep = planner_state(MIXTRAL_8X7B, h64, at_tp, "ep")
+    folded_ep = planner_state(MIXTRAL_8X7B, h64, folded, "ep")
+    assert unfolded_ep["rank0_group"] == list(range(0, 64, 8)) and unfolded_ep["crosses_nodes"]
+    assert folded_ep["rank0_group"] == list(range(8)) and not folded_ep["crosses_nodes"]
+    assert folded_ep["comm"]["ep"][2] == "intra" and unfolded_ep["comm"]["ep"][2] == "inter"
+    player = planner_player({"8x7B": MIXTRAL_8X7B}, {"64": h64}, comp=folded)
+    assert player.controls["etp"].value == 1 and player.state_at(2)["axis"] == "ep"
+    values = {k: c.value for k, c in player.controls.items()} | {"etp": 0}   # "= tp": experts cut like the MLP
+    state_at, n = player.rebuild(**values)                                 # what moving the control calls
+    assert n == 3 and state_at(2)["rank0_group"] == list(range(0, 64, 8))
