@@ -8,7 +8,7 @@ import torch
 
 from ..notebook.recorded import live_world, recordable
 from .workers import (bytes_worker, make_inputs, peak_memory_worker, ring_replay_worker, ring_timing_worker,
-                      ulysses_call_worker, usp_worker)
+                      ulysses_limit_worker, usp_worker)
 
 
 def _world4(world):
@@ -172,18 +172,15 @@ def bytes_ring_vs_ulysses(seq_len: int = 256, heads: int = 4, head_dim: int = 16
 
 @recordable("05a.ulysses_limit", needs=("5a.4",))
 def ulysses_head_limit(heads: int = 6, world=None) -> dict:
-    """Ulysses with more ranks (4) than divide the heads: what every rank raised."""
+    """Ulysses with more ranks (4) than divide the heads: {rank: (exception type, message)} of what every rank
+    raised, and "all_to_alls": how many all-to-alls were posted before (none: the check comes first)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, 8, 4, generator=g) for _ in range(3))
     with _world4(world) as w:
-        try:
-            w.run(ulysses_call_worker, q, k, v)
-        except Exception as e:  # noqa: BLE001 - every rank raises ValueError before any message
-            failures = getattr(e, "failures", None)
-            if not failures:
-                raise
-            return {r: (f.exc_type, f.message.split(": ", 1)[-1][:160]) for r, f in sorted(failures.items())}
-    return {}
+        res = w.run(ulysses_limit_worker, q, k, v)
+    out: dict = {r: (val["raised"], val["message"][:160]) for r, val in enumerate(res.values) if val}
+    out["all_to_alls"] = len(res.trace.filter(op="all_to_all"))
+    return out
 
 
 @recordable("05a.usp", needs=("5a.2", "5a.3", "5a.4", "5a.5"))

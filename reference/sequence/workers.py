@@ -22,8 +22,8 @@ from .ring import ring_attention, ring_attention_forward
 from .ulysses import ulysses_attention
 from .usp import usp_attention, usp_groups, usp_shard
 
-__all__ = ["make_inputs", "ring_worker", "ulysses_call_worker", "usp_worker", "ring_replay_worker",
-           "ring_timing_worker", "peak_memory_worker", "bytes_worker"]
+__all__ = ["make_inputs", "ring_worker", "ulysses_call_worker", "ulysses_limit_worker", "usp_worker",
+           "ring_replay_worker", "ring_timing_worker", "peak_memory_worker", "bytes_worker"]
 
 
 def make_inputs(seq_len: int, *, batch: int = 1, heads: int = 2, heads_kv: int | None = None, head_dim: int = 8,
@@ -62,6 +62,16 @@ def ring_worker(seq_len: int, layout: str = "contiguous", causal: bool = False, 
 
 def ulysses_call_worker(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> dict:
     return {"out": ulysses_attention(q, k, v, causal=causal)}
+
+
+def ulysses_limit_worker(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """Ulysses on heads the world may not divide: {"raised": exception type, "message"} if this rank raised,
+    else {}.  Caught here, so the world stays up for the next run (a rank's exception stops the world)."""
+    try:
+        ulysses_attention(q, k, v)
+    except Exception as e:  # noqa: BLE001 - the demo reports what every rank raised, whatever it is
+        return {"raised": type(e).__name__, "message": str(e)}
+    return {}
 
 
 def usp_worker(seq_len: int, ulysses_size: int, ring_size: int, layout: str = "zigzag", causal: bool = False,

@@ -397,3 +397,11 @@ def test_the_timelines_step_covers_every_ranks_compute_and_the_blocks_alone_are_
     assert all(tl["seconds"] >= st["compute"] for st in stats.values())
     assert all(a > 0 for a in tl["alone"]) and len(tl["comm_cpu"]) == 2
     assert all(c is None or c >= 0 for c in tl["comm_cpu"])
+
+
+def test_the_head_limit_demo_reports_every_ranks_error_before_any_message_and_keeps_the_world(world):
+    from reference.sequence import lecture
+    w = world(4)
+    limit = lecture.ulysses_head_limit(heads=6, world=w)
+    assert [limit[r][0] for r in range(4)] == ["ValueError"] * 4 and limit["all_to_alls"] == 0
+    assert "6 heads" in limit[0][1] and w.alive                      # caught on the ranks: the world stays up
