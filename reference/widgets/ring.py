@@ -254,22 +254,20 @@ def _intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) 
 
 
 def timeline(trace: Iterable[Any]) -> dict[int, dict[str, list[tuple[float, float]]]]:
-    """Per rank: ``{"compute": [(start, end)], "comm": [(start, end)]}`` in seconds from the first event.
+    """Per rank: ``{"compute": [(start, end)], "comm": [(start, end)]}`` in seconds from the first of them.
 
     A message's interval runs from when it was posted to when the rank's wait on it returned: the
     time it was in flight, during which the rank may have been computing.
     """
-    events = list(trace)
+    kinds = {"compute": "compute", **{op: "comm" for op in ("send", "recv", "all_to_all", "all_gather", "all_reduce",
+                                                           "reduce_scatter")}}
+    events = [e for e in trace if _get(e, "op") in kinds]
     if not events:
         return {}
-    t0 = min(_get(e, "start") for e in events)
+    t0 = min(_get(e, "start") for e in events)          # the first block or message: barriers before it are not shown
     out: dict[int, dict[str, list[tuple[float, float]]]] = {}
     for e in events:
-        op = _get(e, "op")
-        kind = "compute" if op == "compute" else "comm" if op in ("send", "recv", "all_to_all", "all_gather",
-                                                                   "all_reduce", "reduce_scatter") else None
-        if kind is None:
-            continue
+        kind = kinds[_get(e, "op")]
         row = out.setdefault(int(_get(e, "rank")), {"compute": [], "comm": []})
         row[kind].append((_get(e, "start") - t0, _get(e, "end") - t0))
     return dict(sorted(out.items()))
