@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm, trace
+from ..cpu_time import thread_cpu_seconds
 from .models import layer_model, make_model
 
 __all__ = ["batch", "wrap", "train", "OPTIMIZERS"]
@@ -196,33 +197,6 @@ def _trace_backward_compute(model: nn.Module) -> None:
             trace.emit("compute", start=mod._t0, end=time.perf_counter(), layer=i, phase="backward")
         m.register_full_backward_pre_hook(pre)
         m.register_full_backward_hook(post)
-
-
-def thread_cpu_seconds() -> dict[str, float] | None:
-    """CPU seconds this process's threads have used so far, by role: "compute" (the thread that calls this,
-    where forward and backward run on CPU) and "communication" (gloo's threads: ``pt_gloo_runloop`` runs each
-    collective, ``gloo_tcp_loop`` moves its bytes through sockets).  Read from Linux's
-    ``/proc/self/task/<tid>/schedstat`` (nanoseconds on a CPU); None where there is no such file."""
-    import os
-    import threading
-    me, out = threading.get_native_id(), {"compute": 0.0, "communication": 0.0}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return None
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                seconds = int(f.read().split()[0]) / 1e9
-        except (OSError, ValueError, IndexError):
-            continue                                         # a thread that ended meanwhile
-        if int(tid) == me:
-            out["compute"] += seconds
-        elif "gloo" in name:
-            out["communication"] += seconds
-    return out
 
 
 def _timeline_model(layers: int, width: int, rows: int, bucket_cap_mb: float, overlap: bool):

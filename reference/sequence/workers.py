@@ -115,7 +115,7 @@ def ring_timing_worker(seq_len: int, world_size: int, layout: str = "zigzag", ca
     (None where /proc does not tell) — what the "hidden" messages took from the cores the blocks run on."""
     import time
 
-    from ..data.workers import thread_cpu_seconds          # gloo's threads' CPU time, from /proc (lecture 3)
+    from ..cpu_time import thread_cpu_seconds              # gloo's threads' CPU time, from /proc (lecture 3)
     group = comm.first_ranks_group(world_size)
     r = comm.rank()
     if r >= world_size:
