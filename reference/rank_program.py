@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable
 from multiprocessing import connection as mpc
 
+from . import sources as _sources
 from . import trace as _trace
 
 START_TIMEOUT = 120.0       # seconds ranks may take to import torch and rendezvous
@@ -273,6 +274,14 @@ def _load_main(path: str | None) -> None:
     sys.modules["__main__"] = sys.modules["__mp_main__"] = module
 
 
+def _report_sources(link: _Link, seen: set[str]) -> None:
+    """Tell the parent which source files this task imported (:mod:`reference.sources`): a kept-alive
+    world whose ranks imported a file that changed since starts afresh, so that it runs the edit."""
+    found = _sources.imported_since(seen)
+    if found:
+        link.send(("sources", found))
+
+
 def _rank_main(rank: int, fd: int, cfg: dict) -> None:
     """Entry point of one rank process (started by :meth:`World.start`)."""
     _die_with_parent(cfg["pdeathsig"])
@@ -305,6 +314,7 @@ def _rank_main(rank: int, fd: int, cfg: dict) -> None:
     fwd.sync()
     link.send(("ready",))
     from . import comm as _comm                 # (imports torch: after the rank reported its own start)
+    seen: set[str] = set()                      # modules whose source files were reported (_report_sources)
 
     while True:
         try:
@@ -328,11 +338,13 @@ def _rank_main(rank: int, fd: int, cfg: dict) -> None:
             except Exception as e:
                 raise TypeError(f"rank {rank} returned a value that cannot be sent back to the "
                                 f"caller ({type(value).__name__}): {e}") from e
+            _report_sources(link, seen)
             fwd.sync()
             with link.lock:
                 conn.send_bytes(data)
         except BaseException as e:  # SystemExit and KeyboardInterrupt too: report, keep serving
             events = list(_trace.stop()) if record else []
+            _report_sources(link, seen)
             fwd.sync()
             tb = traceback.format_exc()
             try:
