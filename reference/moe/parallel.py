@@ -295,7 +295,7 @@ class ExpertParallelMoE(nn.Module):
     give the router α/|G| of the aux gradient.  So the aux loss returned here has the group's value
     and |G| times the local gradient, the gradient of this rank's share s_r of a loss that is a
     mean over ranks, aux = (1/|G|) Σ_r s_r.  One step then gives the single-process gradient of
-    mean task + α·aux + β·z over the whole batch (``tests/moe/test_parallel.py``).
+    mean task + α·aux + β·z over the whole batch (the full course's ``tests/moe/test_parallel.py``).
 
     In capacity mode every rank must pass the same T (GShard's equal-sized groups); dropless mode
     takes any T per rank.  Inputs are checked with one small all-reduce first: a bad shape or an

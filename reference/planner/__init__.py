@@ -6,7 +6,7 @@ Read in this order: :mod:`.model` (the three inputs, and the course's tiny GPT d
 principles: :mod:`.hardware` (GPU presets, every figure cited), :mod:`.kernels` (a GEMM's time from its
 shape, attention's core, element-wise bytes), :mod:`.collectives` (α + bytes/β), :mod:`.layout`
 (stage layouts, schedules, activations in flight), :mod:`.timing` (the step).  :mod:`.runs` holds the
-published runs the planner is checked against (``benchmarks/planner.py`` prints the table).  Every
+published runs the planner is checked against (the full course's ``benchmarks/planner.py`` prints the table).  Every
 name is importable from ``reference.planner``.
 
 Pure arithmetic on three dataclasses: a :class:`Model`, a :class:`Cluster` and a
@@ -85,7 +85,7 @@ Bytes are what one device SENDS with the ring algorithms above; ``reference.trac
 payload a rank hands to each collective (an all-reduce of n bytes is one event of n bytes), so a
 comparison with a measured run converts with the same 2(N−1)/N factors.
 
-Validated on the tiny GPT (``tests/planner/test_measured.py``, :func:`tiny_gpt`, real gloo runs):
+Validated on the tiny GPT (the full course's ``tests/planner/test_measured.py``, :func:`tiny_gpt`, real gloo runs):
 bytes per axis per step exactly, parameters, gradients and optimizer state exactly, activations
 within a few per cent (``reference.compose.memory`` says what is not counted).
 

@@ -1,4 +1,4 @@
-"""Rank functions of lecture 4a: what the tests, the grader and ``benchmarks/tensor_parallel.py`` run,
+"""Rank functions of lecture 4a: what the tests, the grader and the full course's ``benchmarks/tensor_parallel.py`` run,
 and the rank side of the notebook's runs (:mod:`.lecture`).
 
 Every rank builds the same full single-process module and the same inputs from a seed

@@ -17,7 +17,7 @@ all-to-alls (bytes per destination, real tokens per destination) and the experts
     sum          y_t = Σ_j w_tj · out_tj over kept choices; a token      bar of Σ kept weights;
                  dropped by every expert outputs 0                       "0" under dropped tokens
 
-The state is a plain dict (tested in ``tests/moe/test_lecture.py``); :func:`draw_routing` paints
+The state is a plain dict (tested in the full course's ``tests/moe/test_lecture.py``); :func:`draw_routing` paints
 it; :func:`routing_player` puts a Play button, a slider and the controls (k, capacity factor,
 experts, ranks) around traces recorded up front, so that moving a control only swaps traces.
 """
