@@ -235,14 +235,15 @@ def draw_routing(fig, st: dict) -> None:
     bytes_y = recv_top - recv_h - 0.5
     bottom = bytes_y - 2.2
     width = W * (col_w + gap) - gap
+    fw = fig.get_size_inches()[0]
+    fig.set_size_inches(fw, fw * (2.2 - bottom) / (width + 0.4))   # as tall as the layout: the width sets the scale
     ax = fig.add_axes([0.005, 0.005, 0.99, 0.99])
     ax.set_axis_off()
     ax.set_xlim(-0.2, width + 0.2)
     ax.set_ylim(bottom - 0.6, 1.6)
     ax.set_aspect("equal", anchor="N")
-    fw, fh = fig.get_size_inches()
-    inch = min(0.99 * fw / (width + 0.4), 0.99 * fh / (2.2 - bottom))
-    pt = lambda units, lo=4.5, hi=10.0: max(lo, min(hi, units * inch * 72))   # noqa: E731
+    inch = 0.99 * fw / (width + 0.4)
+    pt = lambda units, lo=6.5, hi=10.0: max(lo, min(hi, units * inch * 72))   # noqa: E731
 
     def cell(x, yy, face, label="", hatch=None, edge="#333333", lw=0.6, alpha=1.0, fc="white"):
         ax.add_patch(Rectangle((x, yy - s), s * 0.92, s * 0.92, facecolor=face, edgecolor=edge, lw=lw, hatch=hatch,
@@ -251,7 +252,7 @@ def draw_routing(fig, st: dict) -> None:
             ax.text(x + s * 0.46, yy - s * 0.54, str(label), ha="center", va="center", color=fc,
                     fontsize=pt(0.5 * s), fontweight="bold")
 
-    small = pt(0.42 * s, hi=8.0)
+    small = pt(0.42 * s, hi=9.0)
     for ri, r in enumerate(st["ranks"]):
         x0 = ri * (col_w + gap)
         colour = RANK_COLOURS[r % len(RANK_COLOURS)]
@@ -281,7 +282,7 @@ def draw_routing(fig, st: dict) -> None:
                         ha="center", va="top", fontsize=small, color=DROP_COLOUR if lost else "#333333")
         # send buffer
         note = "outputs returned" if st["returned"] else f"{E} experts × C={C} slots"
-        ax.text(x0 + 0.1, send_top + 0.4, f"buffers on rank {r}: {note}", fontsize=pt(0.4, hi=8), color="#333333",
+        ax.text(x0 + 0.1, send_top + 0.4, f"buffers on rank {r}: {note}", fontsize=pt(0.4, hi=9), color="#333333",
                 va="center")
         for e in range(E):
             yy = send_top - e * pitch
@@ -309,7 +310,7 @@ def draw_routing(fig, st: dict) -> None:
         # what this rank's experts receive
         if st["step"] >= st["phases"].index("dispatch"):
             ax.text(x0 + 0.1, recv_top + 0.4, f"expert inputs: C={C} rows × {W} ranks",
-                    fontsize=pt(0.4, hi=8), color="#333333", va="center")
+                    fontsize=pt(0.4, hi=9), color="#333333", va="center")
             hot = st["computing"]
             for i in range(E_local):
                 e = r * E_local + i
@@ -338,7 +339,7 @@ def draw_routing(fig, st: dict) -> None:
                 lines.append(f"{what:<9}{bb['total']:>7} B{bb['off_rank']:>8} B")
         if lines:
             lines.insert(0, f"{'all-to-all':<9} buffer  leaves")
-            ax.text(x0 + 0.1, bytes_y, "\n".join(lines), fontsize=pt(0.36, hi=8), va="top", family="monospace",
+            ax.text(x0 + 0.1, bytes_y, "\n".join(lines), fontsize=pt(0.36, hi=9), va="top", family="monospace",
                     fontweight="bold" if st["moved"] else "normal")
     # all-to-all arrows: from rank s's block of rows for rank d to rank d (or back, in combine)
     if st["moved"]:
@@ -360,7 +361,7 @@ def draw_routing(fig, st: dict) -> None:
     ax.text(width, 1.15, head, ha="right", va="center", fontsize=pt(0.6, hi=11), fontweight="bold")
     legend = ("solid = 1st choice   hatched = 2nd choice   red ✗ = dropped (buffer full)   "
               "grey = empty slot (padding: sent anyway)   colour = home rank")
-    ax.text(0, bottom + 0.3, legend, fontsize=pt(0.4, hi=8), color="#444444", va="center")
+    ax.text(0, bottom + 0.3, legend, fontsize=pt(0.4, hi=9), color="#444444", va="center")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -369,7 +370,7 @@ def draw_routing(fig, st: dict) -> None:
 
 def routing_player(traces: dict[tuple, Sequence[Any]], *, k: int = 2, capacity_factor: float = 1.0,
                    num_experts: int = 8, world_size: int = 4, title: str = "Token routing, replayed",
-                   figsize=(11, 6.2)):
+                   figsize=(13, 7.3)):
     """A :class:`~reference.widgets.player.Player` over traces keyed by (k, capacity_factor, E, W).
 
     Record every combination up front (``reference.moe.lecture.routing_traces``) so a control change

@@ -170,8 +170,10 @@ def draw_ulysses(fig, st: dict) -> None:
                         ax.text(x + 0.5, y + 0.5, blk["label"], ha="center", va="center", fontsize=8,
                                 color="white", weight="bold", zorder=3)
             x0, y0 = corner(r, row, 0, 0)
-            ax.text(x0 + W / 2, y0 + 1.15, f"rank {r}", ha="center", va="bottom", fontsize=9, color=colour(r),
-                    weight="bold")
+            below = row == 1                     # under the panel the blocks arrive in: clear of the arrows
+            ax.text(x0 + W / 2, y0 + 1 - W - 0.15 if below else y0 + 1.15, f"rank {r}", ha="center",
+                    va="top" if below else "bottom", fontsize=9, color=colour(r), weight="bold", zorder=4,
+                    bbox=dict(fc="white", ec="none", pad=0.5))
         ax.text(-0.4, corner(0, row, 0, 0)[1] + 1 - W / 2, name, rotation=90, ha="right", va="center", fontsize=8)
 
     tensors = ", ".join(st["tensors"])
@@ -196,12 +198,12 @@ def draw_ulysses(fig, st: dict) -> None:
         ax.text(-0.4, corner(0, 1, 0, 0)[1] + 1 - W / 2, "q·kᵀ, local", rotation=90, ha="right", va="center",
                 fontsize=8)
     ax.set_xlim(-0.5, W * (W + gap))
-    ax.set_ylim(-(2 * W + row_gap) - 1.6, 1.8)
+    ax.set_ylim(-(2 * W + row_gap) - 2.2, 1.8)
     ax.set_aspect("equal")
     ax.set_axis_off()
     ax.set_title(f"Ulysses, W = {W}: {st['phase']}", fontsize=10)
     legend = ", ".join(f"{LETTERS[g]} = {_heads(g * h, (g + 1) * h)}" for g in range(W))
-    ax.text(-0.5, -(2 * W + row_gap) - 0.9, f"rows: token chunks 0 … {W - 1} of {n} tokens; letter: head group "
+    ax.text(-0.5, -(2 * W + row_gap) - 1.5, f"rows: token chunks 0 … {W - 1} of {n} tokens; letter: head group "
             f"({legend}); colour: the rank the block came from", fontsize=7.5, va="top")
 
 
