@@ -15,20 +15,20 @@ import sys
 
 Stamp = tuple[int, int]          # (st_mtime_ns, st_size)
 
-_INSTALLED: tuple[str, ...] = ()
+_installed_dirs: tuple[str, ...] = ()
 
 
 def _installed() -> tuple[str, ...]:
     """Folders of the standard library and of installed packages (never edited by a learner)."""
-    global _INSTALLED
-    if not _INSTALLED:
+    global _installed_dirs
+    if not _installed_dirs:
         import site
         import sysconfig
         paths = sysconfig.get_paths()
         dirs = [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths]
         dirs += site.getsitepackages() + [site.getusersitepackages()]
-        _INSTALLED = tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
-    return _INSTALLED
+        _installed_dirs = tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+    return _installed_dirs
 
 
 def _stamp(path: str) -> Stamp | None:

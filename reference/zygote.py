@@ -230,41 +230,41 @@ class _Zygote:
         self.conn.close()
 
 
-_ZYGOTE: _Zygote | None = None
-_LOCK = threading.Lock()
+_current: _Zygote | None = None
+_lock = threading.Lock()
 
 
 def _zygote() -> _Zygote:
-    global _ZYGOTE
-    with _LOCK:
-        if _ZYGOTE is None or not _ZYGOTE.alive():
-            _ZYGOTE = _Zygote()
-        return _ZYGOTE
+    global _current
+    with _lock:
+        if _current is None or not _current.alive():
+            _current = _Zygote()
+        return _current
 
 
 def zygote_pid() -> int | None:
     """The zygote's process id, if this process has one running (tests tell it from a leftover rank)."""
-    z = _ZYGOTE
+    z = _current
     return z.proc.pid if z is not None and z.alive() else None
 
 
 def warm() -> bool:
     """True once this process's zygote has torch imported (its next ranks start in milliseconds)."""
-    z = _ZYGOTE
+    z = _current
     return bool(z is not None and z.alive() and z.warm)
 
 
 def announce(world_size: int) -> None:
     """Say, before the first world of this process starts, why it takes seconds and later ones do not."""
     if not warm():
-        print(f"starting {world_size} rank{'s' if world_size > 1 else ''}: torch is imported once for all the "
-              "ranks of this notebook (seconds); later worlds start in a fraction of a second", flush=True)
+        print(f"starting {world_size} rank{'s' if world_size > 1 else ''}: the first world imports torch once for "
+              "every rank to come (seconds); later worlds start in a fraction of a second", flush=True)
 
 
 @atexit.register
 def _stop() -> None:
-    if _ZYGOTE is not None and _ZYGOTE.owner == os.getpid():
-        _ZYGOTE.stop()
+    if _current is not None and _current.owner == os.getpid():
+        _current.stop()
 
 
 class ForkedRank:

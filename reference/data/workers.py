@@ -257,7 +257,7 @@ def zero_run(sizes: tuple[int, ...], layers: int, width: int, rows: int) -> list
             step_events = (trace._events or [])[start:]
             sent = sum(e.meta.get("ring_bytes", 0) for e in step_events
                        if e.op in ("all_reduce", "reduce_scatter", "all_gather")
-                       and e.meta.get("what") in ("grads", "params"))
+                       and e.meta.get("what", "grads") in ("grads", "params"))   # (a learner's need not say)
             rows_out.append({"method": method, "N": N, **{k: v for k, v in mem.items() if k != "total"},
                              "ring_bytes": sent})
     return rows_out

@@ -131,12 +131,12 @@ class Recordable:
             return self.fn(*args, **kwargs)
         print(_replay_label(self.needs, passed_exercises()))
         import time
-        _REPLAYS.append((time.perf_counter(), recordings.get(SECONDS + key)))
+        _replays.append((time.perf_counter(), recordings.get(SECONDS + key)))
         return recordings[key]
 
 
 SECONDS = "seconds of "           # a recording's file also keeps how long each recorded call ran
-_REPLAYS: list[tuple[float, float | None]] = []      # (when, seconds the recorded call took) of each replay
+_replays: list[tuple[float, float | None]] = []      # (when, seconds the recorded call took) of each replay
 
 
 def took(since: float) -> str:
@@ -145,7 +145,7 @@ def took(since: float) -> str:
     replay takes no time, and "in 0.0 s" would say the run did."""
     import time
     elapsed = time.perf_counter() - since
-    replays = [seconds for when, seconds in _REPLAYS if when >= since]
+    replays = [seconds for when, seconds in _replays if when >= since]
     if not replays:
         return f"in {elapsed:.1f} s"
     if None in replays:

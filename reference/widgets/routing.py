@@ -53,20 +53,35 @@ def _route_events(trace: Iterable[Any]) -> dict[int, Any]:
     return out
 
 
+def all_to_alls(trace: Iterable[Any]) -> list[tuple[Any, str | None]]:
+    """Each all-to-all event of ``trace`` with what it carried: its ``meta["what"]``, or — for a
+    learner's dispatch and combine, which need not say — its place among its rank's unlabelled
+    all-to-alls: the first is the dispatch, the second the combine (a forward sends one of each)."""
+    out, unlabelled = [], {}
+    for e in trace:
+        if _get(e, "op") != "all_to_all":
+            continue
+        what = _get(e, "meta", {}).get("what")
+        if what is None:
+            seen = unlabelled[_get(e, "rank")] = unlabelled.get(_get(e, "rank"), 0) + 1
+            what = {1: "dispatch", 2: "combine"}.get(seen)
+        out.append((e, what))
+    return out
+
+
 def bytes_per_phase(trace: Iterable[Any]) -> dict[str, dict[int, dict[str, int]]]:
     """For "dispatch" and "combine": per rank, bytes handed in (``total``), bytes that leave the
     rank (``off_rank``, excluding its block for itself) and real tokens sent off-rank."""
     out: dict[str, dict[int, dict[str, int]]] = {"dispatch": {}, "combine": {}}
-    for e in trace:
+    for e, what in all_to_alls(trace):
         meta = _get(e, "meta", {})
-        what = meta.get("what")
-        if _get(e, "op") != "all_to_all" or what not in out:
+        if what not in out:
             continue
         r = _get(e, "rank")
         if r in out[what]:
             continue                                    # first forward only
         send_bytes = meta.get("send_bytes") or []
-        tokens = meta.get("tokens_per_dest") or []
+        tokens = meta.get("tokens_per_dest")            # None: not recorded (a learner's dispatch)
         if what == "combine" and meta.get("tokens_per_src") is not None:
             tokens = None                               # padded combine: tokens_per_dest counts every row
         out[what][r] = {
@@ -171,9 +186,9 @@ def routing_state(trace: Iterable[Any], step: int) -> dict[str, Any]:
 
 def _row_bytes(trace: list, E: int, C: int) -> int | None:
     """Bytes of one token row, read off the first dispatch all-to-all (its buffer has E·C rows)."""
-    for e in trace:
+    for e, what in all_to_alls(trace):
         meta = _get(e, "meta", {})
-        if _get(e, "op") == "all_to_all" and meta.get("what") == "dispatch":
+        if what == "dispatch":
             splits = meta.get("send_splits") or []
             rows = sum(splits) if splits else E * C
             return int(_get(e, "nbytes", 0)) // max(1, rows)
