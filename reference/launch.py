@@ -275,10 +275,10 @@ class World:
             self.close()
 
     def _forks_ranks(self, env: dict) -> bool:
-        """Fast start: fork the ranks from the zygote — gloo on Linux, and not a world that measures
-        glibc's default allocator (a forked rank inherits the zygote's heap; a fresh one starts clean)."""
-        return (_zygote.available() and self.backend == "gloo" and self.keep_freed_memory
-                and env.get("COURSE_KEEP_FREED_MEMORY", "1") != "0")
+        """Fast start: fork the ranks from the zygote — gloo on Linux; not with glibc's moving allocator
+        defaults asked for alone (a forked rank inherits the zygote's, a fresh one starts clean)."""
+        return (_zygote.available() and self.backend == "gloo"
+                and (env.get("COURSE_KEEP_FREED_MEMORY", "1") != "0" or "MALLOC_MMAP_THRESHOLD_" in env))
 
     def close(self) -> None:
         """Stop the ranks (politely, then by force) and release the port."""

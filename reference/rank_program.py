@@ -111,6 +111,19 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def malloc_settings_from_environment() -> None:
+    """What glibc reads from the environment when a process starts (``MALLOC_MMAP_THRESHOLD_``, and the
+    trim threshold beside it), set through ``mallopt`` now: a rank forked from the zygote
+    (:mod:`reference.zygote`) inherits the zygote's allocator, not its own start.  A fixed mmap threshold
+    also fixes glibc's trim threshold, at 128 KiB unless ``MALLOC_TRIM_THRESHOLD_`` says otherwise."""
+    mmap = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    if mmap is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(M_MMAP_THRESHOLD, int(mmap))
+    libc.mallopt(M_TRIM_THRESHOLD, int(os.environ.get("MALLOC_TRIM_THRESHOLD_", 128 << 10)))
+
+
 def _die_with_parent(use_pdeathsig: bool) -> None:
     if use_pdeathsig and sys.platform.startswith("linux"):
         try:

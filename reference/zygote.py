@@ -23,8 +23,10 @@ spawned ranks; the zygote itself ignores it.
 
 The zygote dies with its caller (end of file on its socket, or a new parent) and takes its ranks
 with it.  :class:`reference.launch.World` uses it for gloo worlds on Linux unless
-``COURSE_FORK_RANKS=0``; a world that must measure glibc's default allocator
-(``keep_freed_memory=False``) spawns its ranks, since a forked rank inherits the zygote's heap.
+``COURSE_FORK_RANKS=0``.  A forked rank inherits the zygote's allocator: a world that measures
+resident memory (``keep_freed_memory=False``) gets glibc's fixed thresholds set in each rank
+(:func:`reference.rank_program.malloc_settings_from_environment`); ``COURSE_KEEP_FREED_MEMORY=0``
+alone, which asks for glibc's own moving defaults, spawns fresh ranks.
 """
 from __future__ import annotations
 
@@ -141,7 +143,8 @@ def _become_rank(rank: int, fd: int, cfg: dict, env: dict, path: list[str], cwd:
             os.chdir(cwd)
         except OSError:
             pass
-        from .rank_program import _rank_main
+        from .rank_program import _rank_main, malloc_settings_from_environment
+        malloc_settings_from_environment()
         _rank_main(rank, fd, dict(cfg, pdeathsig=True))   # the zygote has one thread: safe to tie to it
         code = 0
     finally:

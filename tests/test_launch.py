@@ -205,6 +205,8 @@ def test_ranks_keep_freed_memory_for_the_next_step_unless_told_not_to(monkeypatc
     with COURSE_KEEP_FREED_MEMORY=0 glibc maps and unmaps it, its default."""
     with World(2, timeout=30) as world:
         assert world.run(W.freed_block_stays_in_the_heap).values == [(False, True)] * 2
+    with World(1, timeout=30, keep_freed_memory=False) as world:            # forked, glibc's thresholds set
+        assert world.run(W.freed_block_stays_in_the_heap).values == [(True, False)]
     monkeypatch.setenv("COURSE_KEEP_FREED_MEMORY", "0")
     with World(1, timeout=30) as world:
         assert world.run(W.freed_block_stays_in_the_heap).values == [(True, False)]
@@ -230,13 +232,14 @@ def test_a_kept_alive_world_runs_the_edit_of_a_module_its_ranks_imported(tmp_pat
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux only")
-def test_ranks_are_forked_from_one_zygote_and_a_world_measuring_the_default_allocator_spawns_them(no_orphans):
+def test_ranks_are_forked_from_one_zygote_and_glibcs_moving_defaults_alone_spawn_them(monkeypatch, no_orphans):
     from reference.zygote import zygote_pid
     import os
-    with World(2, timeout=30) as a, World(1, timeout=30) as b:
+    with World(2, timeout=30) as a, World(1, timeout=30, keep_freed_memory=False) as b:
         parents = a.run(W.parent_pid).values + b.run(W.parent_pid).values
     assert zygote_pid() is not None and parents == [zygote_pid()] * 3
-    with World(1, timeout=30, keep_freed_memory=False) as c:
+    monkeypatch.setenv("COURSE_KEEP_FREED_MEMORY", "0")
+    with World(1, timeout=30) as c:
         assert c.run(W.parent_pid).values == [os.getpid()]
 
 
