@@ -8,6 +8,7 @@ import types
 
 import pytest
 
+from reference import zygote
 from reference.launch import World, WorldError, run_world
 from tests.workers import launch_workers as W
 
@@ -231,7 +232,7 @@ def test_a_kept_alive_world_runs_the_edit_of_a_module_its_ranks_imported(tmp_pat
         assert set(w.run(W.pid, 0).values).isdisjoint(ranks)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux only")
+@pytest.mark.skipif(not zygote.available(), reason="ranks are forked on Linux only, unless COURSE_FORK_RANKS=0")
 def test_ranks_are_forked_from_one_zygote_and_glibcs_moving_defaults_alone_spawn_them(monkeypatch, no_orphans):
     from reference.zygote import zygote_pid
     import os
@@ -243,7 +244,7 @@ def test_ranks_are_forked_from_one_zygote_and_glibcs_moving_defaults_alone_spawn
         assert c.run(W.parent_pid).values == [os.getpid()]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux only")
+@pytest.mark.skipif(not zygote.available(), reason="ranks are forked on Linux only, unless COURSE_FORK_RANKS=0")
 def test_a_killed_zygote_takes_its_ranks_along_and_the_next_run_gets_a_new_one(no_orphans):
     import os
     import signal
@@ -285,7 +286,7 @@ time.sleep(60)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux only")
+@pytest.mark.skipif(not zygote.available(), reason="ranks are forked on Linux only, unless COURSE_FORK_RANKS=0")
 def test_when_the_process_that_started_a_world_is_killed_its_zygote_and_ranks_go_too(tmp_path):
     import subprocess
     proc = subprocess.Popen([sys.executable, "-c", _STARTER], stdout=subprocess.PIPE, text=True)
