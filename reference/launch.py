@@ -161,7 +161,8 @@ class World:
     keep_freed_memory:  ranks keep freed memory for the next step (:func:`reference.rank_program.keep_freed_memory`);
               False leaves glibc's defaults, under which a resident-memory peak measures what a step allocates
 
-    After a failure the ranks are stopped; the next :meth:`run` starts fresh ones.
+    After a failure the ranks are stopped; the next :meth:`run` starts fresh ones.  So it does when a
+    file the ranks imported has changed since (the next run imports the edit).
     """
 
     def __init__(self, world_size: int, *, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
@@ -185,7 +186,7 @@ class World:
         self._store = None
         self.port: int | None = None
         self.start_seconds: float | None = None
-        self._sources: dict[str, tuple[int, int]] = {}   # files the ranks imported: (mtime_ns, size) then
+        self._sources: dict[str, tuple[int, int]] = {}   # files the ranks imported, (mtime_ns, size) then
 
     # -- life cycle -----------------------------------------------------------------------------
 
