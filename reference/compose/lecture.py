@@ -108,8 +108,8 @@ def overlap_timeline(trace, rank: int = 0) -> dict:
     ends = sorted(e.end for e in trace.filter("all_reduce", rank=rank, what="loss"))
     since = ends[-2] if len(ends) > 1 else float("-inf")
     ready = [e for e in trace.filter("grad_ready", rank=rank) if e.start > since]
-    ars = [e for op in ("all_reduce", "reduce_scatter")                  # ZeRO-2's buckets are reduce-scatters
-           for e in trace.filter(op, rank=rank, what="grads") if e.start > since]
+    ars = sorted((e for op in ("all_reduce", "reduce_scatter")          # ZeRO-2's buckets are reduce-scatters
+                  for e in trace.filter(op, rank=rank, what="grads") if e.start > since), key=lambda e: e.start)
     if not ready:
         return {"ready": [], "buckets": [], "backward_end": 0.0, "hidden": 0.0}
     t0 = min(e.start for e in ready)
@@ -118,7 +118,7 @@ def overlap_timeline(trace, rank: int = 0) -> dict:
     before = sum(max(0.0, min(e.end, end) - e.start) for e in ars)
     ms = lambda t: 1e3 * (t - t0)                                         # noqa: E731
     return {"ready": [(ms(e.start), e.meta.get("bucket")) for e in ready],
-            "buckets": [(e.meta.get("bucket"), ms(e.start), ms(e.end)) for e in ars],
+            "buckets": [(e.meta.get("bucket", i), ms(e.start), ms(e.end)) for i, e in enumerate(ars)],  # posting order
             "backward_end": ms(end), "hidden": before / busy if busy else 0.0}
 
 

@@ -156,7 +156,7 @@ def unused_on_some_ranks(bucket_cap_mb: float = 25.0, seed: int = 0) -> dict:
 
 def time_steps(methods: list[str], layers: int = 6, width: int = 512, rows: int = 64, steps: int = 10,
                warmup: int = 3, bucket_cap_mb: float = 25.0) -> list[list[float]]:
-    """Rank worker for ``benchmarks/data_parallel.py``: seconds of each training step (forward, backward,
+    """Worker of the full course's ``benchmarks/data_parallel.py``: seconds of each training step (forward, backward,
     AdamW step, zero_grad) of :func:`.models.layer_model` in float32, for each of ``methods`` (each its own
     model and optimizer, all in this world), after ``warmup`` steps each.  The methods take their steps in
     turn — step i of every method, then step i+1, the order reversed every other step — so the machine's
@@ -308,7 +308,7 @@ def zero_run(sizes: tuple[int, ...], layers: int, width: int, rows: int) -> list
             step_events = (trace._events or [])[start:]
             sent = sum(e.meta.get("ring_bytes", 0) for e in step_events
                        if e.op in ("all_reduce", "reduce_scatter", "all_gather")
-                       and e.meta.get("what") in ("grads", "params"))
+                       and e.meta.get("what", "grads") in ("grads", "params"))   # (a learner's need not say)
             rows_out.append({"method": method, "N": N, **{k: v for k, v in mem.items() if k != "total"},
                              "ring_bytes": sent})
     return rows_out

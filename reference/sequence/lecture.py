@@ -96,16 +96,30 @@ def ring_backward_bytes(seq_len: int = 64, world_size: int = 4, heads: int = 4, 
                         head_dim: int = 16, dtype: str = "float32", world=None) -> dict:
     """Bytes each rank sends in one ring forward and the backward after it (zigzag, causal, Q/K/V in
     ``dtype``: "float32" or "bfloat16"), measured from the trace: {"forward K/V", "backward K/V",
-    "backward dK/dV": [bytes of rank r]}.  The dK/dV accumulators are float32 either way."""
+    "backward dK/dV": [bytes of rank r]}.  The dK/dV accumulators are float32 either way.
+    A message without ``phase`` is the forward's if it was posted before the backward started; if a
+    backward message does not say whether it carried K/V or dK/dV (a learner's need not), the two
+    backward kinds are one: "backward K/V and dK/dV"."""
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     with _world4(world) as w:
         res = w.run(ring_timing_worker, seq_len, world_size, backward=True, heads=heads, heads_kv=heads_kv,
                     head_dim=head_dim, dtype=getattr(torch, dtype))
-    sends = res.trace.filter(op="send")
-    kinds = {"forward K/V": sends.filter(phase="fwd"), "backward K/V": sends.filter(phase="bwd", what="kv"),
-             "backward dK/dV": sends.filter(phase="bwd", what="dkv")}
-    return {name: [s.bytes_by_rank().get(r, 0) for r in range(world_size)] for name, s in kinds.items()}
+    return {name: [s.bytes_by_rank().get(r, 0) for r in range(world_size)]
+            for name, s in message_kinds(res.trace).items()}
+
+
+def message_kinds(trace) -> dict:
+    """The sends of a ring forward + backward by kind (see :func:`ring_backward_bytes`): {kind: Trace}."""
+    from ..trace import Trace
+    began = {e.rank: e.start for e in trace.filter(op="backward_start")}
+    sends = trace.filter(op="send")
+    forward = [e.meta.get("phase", "fwd" if e.start < began[e.rank] else "bwd") == "fwd" for e in sends]
+    fwd = Trace(e for e, f in zip(sends, forward) if f)
+    bwd = Trace(e for e, f in zip(sends, forward) if not f)
+    if any(e.meta.get("what") not in ("kv", "dkv") for e in bwd):
+        return {"forward K/V": fwd, "backward K/V and dK/dV": bwd}
+    return {"forward K/V": fwd, "backward K/V": bwd.filter(what="kv"), "backward dK/dV": bwd.filter(what="dkv")}
 
 
 @recordable("05a.timeline", needs=("5a.2", "5a.3"))

@@ -128,7 +128,9 @@ def ring_timing_worker(seq_len: int, world_size: int, layout: str = "zigzag", ca
     t0 = time.perf_counter()
     if backward:
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-        ring_attention(qg, kg, vg, causal=causal, layout=layout, group=group).backward(dout)
+        out = ring_attention(qg, kg, vg, causal=causal, layout=layout, group=group)
+        trace.emit("backward_start")               # what was sent before it is the forward's
+        out.backward(dout)
     else:
         ring_attention_forward(q, k, v, causal=causal, layout=layout, group=group)
     out = {"seconds": time.perf_counter() - t0}

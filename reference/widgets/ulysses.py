@@ -1,7 +1,7 @@
 """Replay DeepSpeed-Ulysses' all-to-alls: W ranks trade a sequence split for a head split, attend, trade back.
 
 Drawn from the layout arithmetic alone, so it works before exercise 5a.4 is written (the rule is the
-one ``reference.sequence.ulysses.seq_to_heads`` implements; tests/widgets/test_ulysses.py holds the
+one ``reference.sequence.ulysses.seq_to_heads`` implements; the full course's tests/widgets/test_ulysses.py holds the
 two to each other on real tensors).  With ``n = S/W`` tokens per rank and ``h = H/W`` heads per group,
 call block (w, g) the tokens of chunk w (rank w's own ``[w·n, (w+1)·n)``) in head group g (heads
 ``[g·h, (g+1)·h)``)::

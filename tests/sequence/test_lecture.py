@@ -44,6 +44,42 @@ def _state(run, step):
 # The widget's state
 
 
+def test_backward_bytes_of_a_learners_ring_whose_messages_say_nothing_are_split_at_the_backwards_start(world):
+    """The reference's forward + backward trace, and the same with phase/what stripped from every message (a
+    learner's): the forward's bytes are the same; the backward's are one kind, K/V and dK/dV together."""
+    from dataclasses import replace
+
+    from reference.sequence.lecture import message_kinds
+    from reference.trace import Trace
+    trace = world(4).run(workers.ring_timing_worker, 32, 4, backward=True, heads=2, heads_kv=2, head_dim=8).trace
+    bare = Trace(replace(e, step=None, meta={}) if e.op in ("send", "recv") else e for e in trace)
+    ref, theirs = message_kinds(trace), message_kinds(bare)
+    assert set(theirs) == {"forward K/V", "backward K/V and dK/dV"}
+    count = lambda t: t.bytes_by_rank()                  # noqa: E731
+    assert count(theirs["forward K/V"]) == count(ref["forward K/V"]) and count(ref["forward K/V"])
+    both = {r: count(ref["backward K/V"])[r] + count(ref["backward dK/dV"])[r] for r in range(4)}
+    assert count(theirs["backward K/V and dK/dV"]) == both
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_a_learners_ring_that_traces_nothing_replays_and_measures_like_the_reference(world, runs, layout):
+    """A learner's forward passes no step/what/chunks and opens no trace span: the given kernel still
+    measures every block's pairs, and the widget places each hop by its order, as the reference's run."""
+    from tests.workers.sequence_workers import ring_forward_of
+    W = 4
+    res = world(4).run(ring_forward_of, "tests.submissions._ring_attention", L, W, layout, True)
+    assert max(v["max_error"] for v in res.values) < 1e-5
+    assert not any(e.meta.get("what") or e.step is not None for e in res.trace if e.op in ("send", "recv"))
+    theirs, ref = ringw.RingRun(res.trace, W, layout, True, L), runs[(layout, W, True)]
+    mine = res.trace.filter(op="compute", what="attn_fwd").meta_sum("pairs")
+    assert [mine[r] for r in range(W)] == ringw.expected_pairs(L, W, layout, True)
+    for s in range(W):
+        a, b = _state(theirs, s), _state(ref, s)
+        assert (a.holds, a.sends, a.pairs, a.owner.tolist()) == (b.holds, b.sends, b.pairs, b.owner.tolist())
+
+
+
+
 def test_after_step_s_rank_r_holds_the_kv_of_rank_r_minus_s(runs):
     for (layout, W, causal), run in runs.items():
         for s in range(W):
