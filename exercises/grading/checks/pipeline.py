@@ -30,7 +30,7 @@ RANKS_TIMEOUT = 10.0
 # trace readers (4.5); the executor that runs a schedule (schedule, validate_actions, run_pipeline) stays.
 _OTHER_ORDERS = tuple(f"reference.pipeline.schedules:{f}" for f in ("gpipe", "interleaved_one_f_one_b", "zb_h1",
                                                                      "simulate", "measured_bubble", "peak_stash",
-                                                                     "render"))
+                                                                     "render", "_slot_cost"))
 ORDER = exercise("4.4", "The 1F1B order of one stage", "pipeline", ["one_f_one_b"], comm=("p2p",),
                  shortcuts=("pipelining",), mirrors=_OTHER_ORDERS)
 STEP = exercise("4.5", "One stage, one micro-batch: forward_step and backward_step", "pipeline",

@@ -5,10 +5,10 @@ import torch
 
 from ...core import exercise, salted_seed
 from ...feedback import Mismatch
-from .common import ORACLES, REF, H
+from .common import ROUTING_MIRRORS, ORACLES, REF, H
 
 AUX = exercise("5b.2", "The load-balancing loss, group-wide", "moe", ["load_balancing_loss"],
-               mirrors=("reference.moe.routing:gshard_random_routing", "reference.moe.routing:router_z_loss"))
+               mirrors=ROUTING_MIRRORS)
 
 
 def _aux_inputs(sizes, E: int, k: int, seed: int, scale: float = 1.5):

@@ -8,7 +8,7 @@ from ...feedback import Mismatch
 from .common import ORACLES, REF, H
 
 DISPATCH = exercise("5b.3", "Dispatch and combine through all-to-all", "moe", ["dispatch", "combine"],
-                    comm=("all_to_all",), mirrors=("reference.moe.parallel:*",))
+                    comm=("all_to_all",), mirrors=("reference.moe.parallel:*", "reference.moe.assignments:*"))
 
 
 def _dispatch_inputs(ctx, W: int, T: int, E: int, k: int, cf: float, seed: int, d: int = 3, hot=None):

@@ -5,10 +5,10 @@ import torch
 
 from ...core import exercise, salted_seed
 from ...feedback import Mismatch
-from .common import KEYS, REF, H
+from .common import ROUTING_MIRRORS, KEYS, REF, H
 
 GATING = exercise("5b.1", "Top-1 and top-2 gating with capacity", "moe", ["top_k_gating"],
-                  mirrors=("reference.moe.routing:gshard_random_routing", "reference.moe.routing:router_z_loss"))
+                  mirrors=ROUTING_MIRRORS)
 
 
 def _logits(T: int, E: int, seed: int, scale: float = 2.0, dtype=torch.float64, hot: dict | None = None):
