@@ -47,6 +47,7 @@ from typing import Any
 
 from reference import launch as _launch
 from reference import rank_program as _rank_program
+from reference import zygote as _zygote
 
 from .confine import confine
 from .referee import Referee
@@ -107,15 +108,7 @@ class _Zygote:
             pass
         children: set[int] = set()
         while True:
-            while children:
-                try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if not pid:
-                    break
-                children.discard(pid)
-                conn.send(("exit", pid, os.waitstatus_to_exitcode(status)))
+            _zygote.reap(children, conn)
             if not conn.poll(0.02):
                 continue
             try:
