@@ -21,8 +21,12 @@ $(VENV)/.stamp-test: pyproject.toml scripts/bootstrap.py
 # notebook) come first on JUPYTER_CONFIG_PATH; the user's own Jupyter configuration is left untouched.
 LAB_CONFIG := $(CURDIR)/scripts/jupyter$(if $(JUPYTER_CONFIG_PATH),:$(JUPYTER_CONFIG_PATH),)
 
+# The lab serves the course's root (notebooks/ and exercises/ side by side in its file browser) and opens
+# the index notebook, also from the URL it prints; `jupyter lab notebooks/index.ipynb` alone serves notebooks/ only.
+LAB_ROOT := --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/notebooks/index.ipynb
+
 lab: $(VENV)/.stamp-lab
-	JUPYTER_CONFIG_PATH="$(LAB_CONFIG)" $(VPY) -m jupyter lab --port $(PORT) $(LAB_FLAGS) notebooks/index.ipynb
+	JUPYTER_CONFIG_PATH="$(LAB_CONFIG)" $(VPY) -m jupyter lab --port $(PORT) $(LAB_FLAGS) $(LAB_ROOT) notebooks/index.ipynb
 
 test: $(VENV)/.stamp-test
 	$(VPY) -m pytest

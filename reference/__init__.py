@@ -1,5 +1,5 @@
 """Splitting the Work — the course's reference implementations, in layers (each imports only its own
-and the ones above it in this list; ``tests/test_import_layers.py`` keeps it so):
+and the ones above it in this list; the full course's ``tests/test_import_layers.py`` keeps it so):
 
     runtime       launch (run a function on N local ranks), rank_program (inside one rank), trace (the one
                   event format), comm (traced collectives), saved (activation memory)

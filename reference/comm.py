@@ -462,7 +462,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
             output.copy_(input)
         elif dist.get_backend(group) == "gloo" and output.is_contiguous() and output.numel() == w * input.numel():
             # gloo's list all_gather into views of ``output``: the same bytes moved, ~0.2 ms less than its
-            # all_gather_into_tensor for 3 MB per rank on 2 ranks (benchmarks/data_parallel.py)
+            # all_gather_into_tensor for 3 MB per rank on 2 ranks (the full course's benchmarks/data_parallel.py)
             dist.all_gather(list(output.view(-1).chunk(w)), input.contiguous().view(-1), group=group)
         else:
             (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(

@@ -59,7 +59,7 @@ Who else does what
 * Megatron-Core (``parallel_state.RankGenerator``, default order ``"tp-cp-ep-dp-pp"``) builds the
   dense grid with ep=1 and the expert grid with tp=expert_tensor_parallel_size, cp=1, and
   dp=expert data parallel size, and asserts their pipeline groups are equal; this module follows
-  it: same order, same folding (``tests/test_mesh.py`` holds its group lists against ours).
+  it: same order, same folding (the full course's ``tests/test_mesh.py`` holds its group lists against ours).
 * picotron builds ``torch.arange(world).view(dp, pp, cp, tp)``: tensor innermost too, but data
   *outermost* and pipeline inside it.  Both keep tp on a node; they differ on which of the two
   inter-node axes gets the nearer ranks.

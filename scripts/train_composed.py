@@ -44,7 +44,7 @@ the last; ``--resume`` continues from the newest complete one (fresh when there 
 grid, or ``--single``: rank 0 prints ``resumed from DIR/step_<n>`` and the steps continue from n.
 With ``torchrun --max-restarts K --resume`` a run whose rank dies restarts from its last checkpoint.
 (Test hook, not a feature: ``COURSE_TEST_KILL_AFTER_STEP=r:i`` makes global rank r SIGKILL itself after
-step i on torchrun's first attempt; tests/compose/test_checkpoint.py uses it.)
+step i on torchrun's first attempt; the full course's tests/compose/test_checkpoint.py uses it.)
 """
 from __future__ import annotations
 

@@ -123,6 +123,26 @@ def test_collective_widget_state_replays_reduce_scatter_then_all_gather(world, n
     assert all(dst == (src + 1) % n for f in frames for src, dst, _, _ in f.messages)
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_collective_widget_replays_a_learners_run_whose_messages_carry_no_phase_or_chunk(world, n):
+    """A learner's ring all-reduce passes no phase= or chunk= (an independent one passing step= only, and the
+    reference's trace with every step and meta stripped): the frames are the reference's own."""
+    from dataclasses import replace
+
+    from reference.notebook import primer
+    from reference.widgets.collective import inferred
+    ref = world(n).run(primer.ring_all_reduce, 4 * n).trace
+    theirs = world(n).run(primer.ring_all_reduce, 4 * n, "tests.submissions._ring").trace
+    bare = [replace(e, step=None, meta={}) for e in ref]
+    want = collective_frames(ref, n)
+    assert not inferred(ref) and inferred(theirs) and inferred(bare)
+    for events in (theirs, bare):
+        got = collective_frames(events, n)
+        assert [(f.label, f.messages, f.holdings, f.bytes_sent) for f in got] == \
+               [(f.label, f.messages, f.holdings, f.bytes_sent) for f in want]
+    assert [f.complete(0) for f in want][-1] == list(range(n))
+
+
 def test_collective_widget_renders_a_static_first_frame(world):
     from reference.widgets.collective import collective_player
     res = world(3).run(C.all_reduce_case, 12, 1.0)

@@ -37,7 +37,7 @@ LayerNorm gradient tp·dp·cp times (or, taking only dp = cp = 0, still tp times
 the local shard gives each rank its own ‖g‖, hence its own coefficient: tp ranks then scale
 their copies of one LayerNorm differently and the "replicas" drift apart.  Adam is nearly blind
 to one scale on the whole gradient, so the loss curve hardly shows either error; compare ‖g‖
-itself with one process's (tests/compose/test_clip.py: to 1e-10, and the wrong counts differ).
+itself with one process's (the full course's tests/compose/test_clip.py: to 1e-10, and the wrong counts differ).
 
 It runs after the gradient synchronisation and before the optimizer step (``train_step(…,
 clip_grad_norm=c)``).  With ZeRO (.zero) the dense gradients, once reduced, live in dp·cp shards

@@ -26,7 +26,7 @@ TIMELINE_OPS = ("compute", "grad_ready", "backward_start", "backward_end", "thre
 
 def _timeline_events(trace):
     from ..trace import Trace
-    return Trace(e for e in trace if e.op in TIMELINE_OPS or (e.op == "all_reduce" and e.meta.get("what") == "grads"))
+    return Trace(e for e in trace if e.op in TIMELINE_OPS or _gradient_all_reduce(e))
 
 
 def SETTINGS(width: int) -> dict[str, dict]:
@@ -70,18 +70,41 @@ def ddp_runs(world_size: int = 2, layers: int = 6, width: int = 512, rows: int =
             for i in range(1 + repeats):
                 res = world.run(timeline_run, layers, width, rows, kw["bucket_cap_mb"], kw["overlap"])
                 if i:   # the first is a warm-up
-                    keep = _timeline_events(res.trace).relative()
+                    keep = _bucket_order(_timeline_events(res.trace).relative())
                     runs.append((step_exposed(keep), keep, res.values[0]))
             _, keep, buckets = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
             timelines[label] = {"trace": keep, "buckets": buckets}
         params = {}
         for use in (True, False):
             res = world.run(no_sync_run, accum, use)
-            no_sync[use] = sum(e.nbytes for e in res.trace.filter("all_reduce", rank=0, what="grads"))
+            no_sync[use] = sum(e.nbytes for e in res.trace.filter(rank=0) if _gradient_all_reduce(e))
             params[use] = res.values[0]
         diff = max(float((params[True][n] - params[False][n]).abs().max()) for n in params[True])
     return {"timelines": timelines, "no_sync": {"accum": accum, "bytes_with": no_sync[True],
                                                 "bytes_without": no_sync[False], "max_param_diff": diff}}
+
+
+def _gradient_all_reduce(e) -> bool:
+    """A bucket's all-reduce: ``what="grads"``, or no ``what`` at all (a learner's 3.2 need not say; in these
+    runs every all-reduce is a gradient bucket's)."""
+    return e.op == "all_reduce" and e.meta.get("what", "grads") == "grads"
+
+
+def _bucket_order(trace):
+    """``trace`` with each gradient all-reduce that lacks ``meta["bucket"]`` numbered by the order its rank
+    posted it in (buckets are posted strictly in order, on every rank alike)."""
+    from dataclasses import replace
+
+    from ..trace import Trace
+    posted: dict[int, int] = {}
+    out = []
+    for e in sorted(trace, key=lambda e: e.start):
+        if _gradient_all_reduce(e):
+            index = posted[e.rank] = posted.get(e.rank, -1) + 1
+            if "bucket" not in e.meta:
+                e = replace(e, meta={**e.meta, "bucket": index})
+        out.append(e)
+    return Trace(out)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm, trace
+from ..cpu_time import thread_cpu_seconds
 from .models import layer_model, make_model
 
 __all__ = ["batch", "wrap", "train", "OPTIMIZERS"]
@@ -155,7 +156,7 @@ def unused_on_some_ranks(bucket_cap_mb: float = 25.0, seed: int = 0) -> dict:
 
 def time_steps(methods: list[str], layers: int = 6, width: int = 512, rows: int = 64, steps: int = 10,
                warmup: int = 3, bucket_cap_mb: float = 25.0) -> list[list[float]]:
-    """Rank worker for ``benchmarks/data_parallel.py``: seconds of each training step (forward, backward,
+    """Worker of the full course's ``benchmarks/data_parallel.py``: seconds of each training step (forward, backward,
     AdamW step, zero_grad) of :func:`.models.layer_model` in float32, for each of ``methods`` (each its own
     model and optimizer, all in this world), after ``warmup`` steps each.  The methods take their steps in
     turn — step i of every method, then step i+1, the order reversed every other step — so the machine's
@@ -196,33 +197,6 @@ def _trace_backward_compute(model: nn.Module) -> None:
             trace.emit("compute", start=mod._t0, end=time.perf_counter(), layer=i, phase="backward")
         m.register_full_backward_pre_hook(pre)
         m.register_full_backward_hook(post)
-
-
-def thread_cpu_seconds() -> dict[str, float] | None:
-    """CPU seconds this process's threads have used so far, by role: "compute" (the thread that calls this,
-    where forward and backward run on CPU) and "communication" (gloo's threads: ``pt_gloo_runloop`` runs each
-    collective, ``gloo_tcp_loop`` moves its bytes through sockets).  Read from Linux's
-    ``/proc/self/task/<tid>/schedstat`` (nanoseconds on a CPU); None where there is no such file."""
-    import os
-    import threading
-    me, out = threading.get_native_id(), {"compute": 0.0, "communication": 0.0}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return None
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                seconds = int(f.read().split()[0]) / 1e9
-        except (OSError, ValueError, IndexError):
-            continue                                         # a thread that ended meanwhile
-        if int(tid) == me:
-            out["compute"] += seconds
-        elif "gloo" in name:
-            out["communication"] += seconds
-    return out
 
 
 def _timeline_model(layers: int, width: int, rows: int, bucket_cap_mb: float, overlap: bool):
@@ -334,7 +308,7 @@ def zero_run(sizes: tuple[int, ...], layers: int, width: int, rows: int) -> list
             step_events = (trace._events or [])[start:]
             sent = sum(e.meta.get("ring_bytes", 0) for e in step_events
                        if e.op in ("all_reduce", "reduce_scatter", "all_gather")
-                       and e.meta.get("what") in ("grads", "params"))
+                       and e.meta.get("what", "grads") in ("grads", "params"))   # (a learner's need not say)
             rows_out.append({"method": method, "N": N, **{k: v for k, v in mem.items() if k != "total"},
                              "ring_bytes": sent})
     return rows_out

@@ -19,8 +19,8 @@ Running them.  The tokens arrive sorted by expert — expert e's rows ``offs[e-1
   weight in ONE call, for any counts (an expert with 0 rows included) — no padding, no loop.
   On CPU in torch 2.13 it runs for float32 and bfloat16 (not float64), and needs 16-byte row
   strides: d and d_ff multiples of 4 (float32) or 8 (bfloat16).  There it is a loop of ``mm`` inside
-  (one per expert, forward and backward), so it is no faster than the loop (benchmarks/moe_frontier.py);
-  on GPUs it is one kernel per direction.  :func:`grouped_supported` says
+  (one per expert, forward and backward), so it is no faster than the loop (the full course's
+  benchmarks/moe_frontier.py); on GPUs it is one kernel per direction.  :func:`grouped_supported` says
   whether a case qualifies; ``impl="auto"`` takes the grouped GEMM where it does, the loop elsewhere.
   Here the weights live in each expert's own ``nn.Linear`` (so parameter names stay the
   single-process ones) and are stacked at each call: one copy of E·d·f numbers, small beside

@@ -32,7 +32,8 @@ Frontier MoE layers (DeepSeekMoE arXiv:2401.06066, DeepSeek-V3 arXiv:2412.19437)
     max_nodes = M                node-limited routing over ``node_of_expert``
     experts_impl                 "loop" (default), "grouped" (one ``torch._grouped_mm``) or "auto" (.experts);
                                  the loop by default: on CPU the grouped GEMM is no faster forward + backward
-                                 (benchmarks/moe_frontier.py), and torch's FlopCounterMode does not count
+                                 (the full course's benchmarks/moe_frontier.py), and torch's FlopCounterMode does
+                                 not count
                                  ``_grouped_mm`` (1,024 of 132,096 FLOPs per token seen, d 64, f 256, top-2)
 
 ``stats["aux_loss"]`` is the balance loss to back-propagate (weighted by your α): Switch's for

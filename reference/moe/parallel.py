@@ -267,7 +267,7 @@ class ExpertParallelMoE(nn.Module):
     give the router α/|G| of the aux gradient.  So the aux loss returned here has the group's value
     and |G| times the local gradient, the gradient of this rank's share s_r of a loss that is a
     mean over ranks, aux = (1/|G|) Σ_r s_r.  One step then gives the single-process gradient of
-    mean task + α·aux + β·z over the whole batch (``tests/moe/test_parallel.py``).
+    mean task + α·aux + β·z over the whole batch (the full course's ``tests/moe/test_parallel.py``).
 
     ``aux_ranks``: the factor of :func:`mean_share` when the gradients are later reduced over fewer
     ranks than ``aux_group`` holds (default |G|).

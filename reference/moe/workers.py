@@ -1,7 +1,7 @@
 """Rank functions of lecture 5b: the expert-parallel layer against the single-process one, and the
 rank side of the notebook's runs (:mod:`.lecture`: routing, a toy MoE trained, FLOPs per token).
 
-The checks (``tests/test_moe_*.py``, handy in a notebook too) each run on every rank of a world,
+The full course's checks (``tests/test_moe_*.py``, handy in a notebook too) each run on every rank of a world,
 builds the same seeded :class:`MoELayer` everywhere, computes the single-process ground truth for
 the whole batch on each rank (cheap at test sizes), runs the expert-parallel layer on this
 rank's share, and returns both as plain tensors for the caller to compare.

@@ -248,23 +248,25 @@ def per_rank_vs_world(series: dict, *, ylabel: str, title: str = "", loglog: boo
     return fig
 
 
-def ring_scaling(block, *, seq_len: int, heads: int, heads_kv: int, head_dim: int, bytes_per_value: int,
+def ring_scaling(*, seq_len: int, heads: int, heads_kv: int, head_dim: int, bytes_per_value: int,
                  links: dict, world_sizes=(1, 2, 4, 8, 16, 32, 64, 128)):
     """Lecture 5a: modelled time of one attention forward vs W at fixed L, one panel per link
-    ({name: reference.sequence.scaling.Link}); ring, Ulysses, all-gather and compute only, the
-    ideal 1/W, and a dotted line where the ring's shard falls below the overlap threshold n*."""
-    from ..sequence.scaling import overlap_threshold, step_times
+    ({name: reference.planner.thresholds.Link}); ring, Ulysses, all-gather and compute only, the
+    ideal 1/W, and a dashed line where the ring's shard falls below the overlap threshold n*
+    (``thresholds.cp_tokens``, non-causal, the latency included).  Returns (figure, {name: n*})."""
+    from ..planner.thresholds import cp_tokens
+    from ..sequence.scaling import step_times
     fig, axes = plt.subplots(1, len(links), figsize=(5.6 * len(links), 3.6), sharey=True, squeeze=False)
     thresholds = {}
     for ax, (name, link) in zip(axes[0], links.items()):
-        st = step_times(seq_len, world_sizes, block, link, heads=heads, heads_kv=heads_kv, head_dim=head_dim,
+        st = step_times(seq_len, world_sizes, link, heads=heads, heads_kv=heads_kv, head_dim=head_dim,
                         bytes_per_value=bytes_per_value)
         t1 = st["compute only"][0]
         ax.plot(world_sizes, [1 / W for W in world_sizes], "k:", lw=1, label="ideal 1/W")
         for key, style in (("ring", "o-"), ("ulysses", "s-"), ("all-gather", "^-")):
             pts = [(W, t / t1) for W, t in zip(world_sizes, st[key]) if t is not None]
             ax.plot(*zip(*pts), style, ms=4, label=key)
-        n_star = overlap_threshold(block, link, heads, heads_kv, head_dim, bytes_per_value)
+        n_star = round(cp_tokens(link, heads, heads_kv, head_dim, bytes_per_value))
         thresholds[name] = n_star
         if seq_len / n_star <= world_sizes[-1]:
             ax.axvline(seq_len / n_star, color="grey", ls="--", lw=1)

@@ -9,8 +9,9 @@ by where its group sits), :mod:`.placement` (which groups share a node: the dens
 folded over it), :mod:`.layout` (stage layouts, schedules, activations in flight), :mod:`.experts` (a MoE
 layer's router, permutation, grouped GEMMs and all-to-alls), :mod:`.overlap` (what overlapping tp's
 collectives with the GEMMs costs), :mod:`.timing` (the step).  :mod:`.runs` and :mod:`.sparse_runs` hold the
-published runs the planner is checked against (``benchmarks/planner.py`` prints the tables); :mod:`.published`
-the worked examples (Llama 3, GShard, DeepSeek-V3).  Every name is importable from ``reference.planner``.
+published runs the planner is checked against (the full course's ``benchmarks/planner.py`` prints the tables);
+:mod:`.published` the worked examples (Llama 3, GShard, DeepSeek-V3).  Every name is importable from
+``reference.planner``.
 
 Pure arithmetic on three dataclasses: a :class:`Model`, a :class:`Cluster` and a
 :class:`Composition` (dp × tp × pp × cp, ep and etp for the experts, ZeRO stage, recomputation,
@@ -91,7 +92,7 @@ Bytes are what one device SENDS with the ring algorithms above; ``reference.trac
 payload a rank hands to each collective (an all-reduce of n bytes is one event of n bytes), so a
 comparison with a measured run converts with the same 2(N−1)/N factors.
 
-Validated on the tiny GPT (``tests/planner/test_measured.py``, :func:`tiny_gpt`, real gloo runs):
+Validated on the tiny GPT (the full course's ``tests/planner/test_measured.py``, :func:`tiny_gpt`, real gloo runs):
 bytes per axis per step exactly, parameters, gradients and optimizer state exactly, activations
 within a few per cent (``reference.compose.memory`` says what is not counted).
 

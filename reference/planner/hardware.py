@@ -34,7 +34,7 @@ Sources (cited per figure below):
     [MAMF]   S. Bekman, Machine Learning Engineering Open Book, compute/accelerator/README.md, "Maximum
              Achievable Matmul FLOPS comparison table", BF16 rows: A100 SXM 271.2 of 312 TFLOP/s (86.9 %),
              H100 SXM 794.5 of 989 (80.3 %).
-    [MSMF]   the same book, compute/accelerator/benchmarks/README.md, "What was measured: alone vs all-8 concurrent":
+    [MSMF]   the same book, compute/accelerator/benchmarks/ README.md, "What was measured: alone vs all-8 concurrent":
              the Maximum *Sustainable* Matmul FLOPS (the power-saturated rate a GPU holds once hot, "the rate that
              matches real training throughput") against the boost-burst MAMF on the same GPUs and stack — H200 bf16
              (the H100 SXM's compute die and 700 W limit; torch 2.14, CUDA 13), all 8 GPUs of a node × 5 rounds:

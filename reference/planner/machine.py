@@ -1,5 +1,5 @@
 """This machine as a planner :class:`~.model.Cluster`, measured rather than nominal — and the tiny GPT's step timed
-on it, so that the planner's time model can be checked here (``benchmarks/planner.py --here``).
+on it, so that the planner's time model can be checked here (the full course's ``benchmarks/planner.py --here``).
 
 Measured inside a live world of gloo ranks (one thread each, as every course world runs them):
 

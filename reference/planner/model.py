@@ -222,7 +222,7 @@ class Composition:
     sequence_parallel: bool = True  # Megatron SP alongside tp
     micro_batches: int | None = None   # m; default global_batch / (dp · b)
     virtual_stages: int = 1         # interleaved 1F1B (v model chunks per device)
-    # --- added for the time model (issue 24); the defaults keep the plans above unchanged
+    # --- the time model's fields; the defaults keep the plans above unchanged
     micro_batch: int | None = None  # b for this composition; None: the model's micro_batch
     schedule: str = "1f1b"          # "gpipe" | "1f1b" | "zb_h1"; virtual_stages > 1 is interleaved 1F1B
     stage_layout: tuple[int, ...] | None = None   # layers per virtual stage in model order (pp·v entries);

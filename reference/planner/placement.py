@@ -18,7 +18,7 @@ two 8-GPU nodes, tp 4, dp 4; experts etp 1, ep 8, edp 2::
     with etp = tp = 4, ep 4: ep groups {0, 4, 8, 12} …  — every group spans both nodes
 
 The planner is its own layer: it computes the groups by the same arithmetic instead of importing the
-grid, and ``tests/planner`` holds the two equal wherever ``RankGrid`` can state the composition.
+grid, and the full course's ``tests/planner`` holds the two equal wherever ``RankGrid`` can state the composition.
 """
 from __future__ import annotations
 

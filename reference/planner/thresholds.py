@@ -20,7 +20,7 @@ threshold of the same form, a ratio F/β times a small factor (per device, in th
 
     axis          must hide                               compute-bound when                       unit
     DP            gradient all-reduce behind backward     T ≥ (p−1)/p · b·F / (2β)                 tokens/device/step
-    FSDP/ZeRO-3   all-gathers (fwd, bwd) + reduce-scatter T ≥ (p−1)/p · b·F / (2β)                 tokens/device/step
+    FSDP/ZeRO-3   all-gathers (fwd, bwd) + reduce-scatter T ≥ (p−1)/p · b·F / (2β)                 tokens/device/µbatch
     TP            2 all-reduces per layer and pass        h ≥ (t−1) · b·F / (6β)     (not hidden)  hidden size
     EP (GEMM)     an expert GEMM of m tokens              m ≥ b·F / (2·B_hbm)        (roofline)    tokens per expert
     EP (a2a)      dispatch + combine behind the experts   f ≥ (e−1)/e · b·F / (c·β), c = 3 gated   expert FFN width
@@ -110,11 +110,13 @@ def dp_tokens(link: Link, p: int, grad_bytes: int = 2) -> float:
 
 
 def fsdp_tokens(link: Link, p: int, param_bytes: int = 2) -> float:
-    """Tokens per device per step above which FSDP (ZeRO-3) hides its all-gathers and reduce-scatter.
+    """Tokens per device per micro-batch above which FSDP (ZeRO-3) hides its all-gathers and reduce-scatter.
 
     Forward: the all-gather of the weights, (p−1)/p·N·b bytes, behind 2·N·T/F; backward: all-gather again and
     reduce-scatter the gradients, 2·(p−1)/p·N·b, behind 4·N·T/F.  Both give T ≥ (p−1)/p · b·F/(2β): the
-    same bar as data parallelism — FSDP moves 1.5× DP's bytes, but the forward's share hides behind the forward."""
+    same bar as data parallelism — FSDP moves 1.5× DP's bytes, but the forward's share hides behind the forward.
+    Per micro-batch, not per step: FSDP gathers the weights again for every micro-batch it accumulates (unless it
+    keeps them gathered, paying their memory), so T counts the tokens of one micro-batch on one device."""
     return dp_tokens(link, p, param_bytes)
 
 
@@ -180,7 +182,8 @@ def threshold_table(intra: Link, inter: Link, *, dp: int = 64, tp: int = 8, ep: 
     across), one row each: axis, what must hide, the threshold, its unit, the link."""
     rows = [
         ("DP", "gradient all-reduce", dp_tokens(inter, dp, act_bytes), "tokens / device / step", inter),
-        ("FSDP", "all-gathers + reduce-scatter", fsdp_tokens(inter, dp, act_bytes), "tokens / device / step", inter),
+        ("FSDP", "all-gathers + reduce-scatter", fsdp_tokens(inter, dp, act_bytes), "tokens / device / micro-batch",
+         inter),
         ("TP", "2 all-reduces per layer", tp_hidden(intra, tp, act_bytes), "hidden size h", intra),
         ("EP", "expert GEMM at its roofline", ep_tokens_per_expert(intra, act_bytes), "tokens / expert", intra),
         ("EP", "dispatch + combine, in node", ep_expert_ffn(intra, ep, act_bytes), "expert FFN width", intra),

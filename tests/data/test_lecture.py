@@ -129,6 +129,20 @@ GRADED = ["all_reduce_gradients", "assign_buckets", "grad_ready", "finish_bucket
           "reduce_scatter_grad"]
 
 
+def test_a_learners_bucket_all_reduces_that_say_nothing_keep_their_place_on_the_timeline():
+    """A learner's 3.2 posts each bucket with a bare comm.all_reduce_async: without what="grads" and bucket=
+    they are still the step's gradient all-reduces, numbered in the order they were posted."""
+    from reference.data.lecture import _bucket_order, _gradient_all_reduce
+    ref = synthetic()
+    bare = Trace(dataclasses.replace(e, meta={}) if e.op == "all_reduce" else e for e in ref)
+    kept = _bucket_order(Trace(e for e in bare if e.op != "all_reduce" or _gradient_all_reduce(e)))
+    assert sorted((e.start, e.meta["bucket"]) for e in kept if e.op == "all_reduce") == \
+        sorted((e.start, e.meta["bucket"]) for e in ref if e.op == "all_reduce")
+    assert timeline_state(kept, 9) == timeline_state(ref, 9) and step_exposed(kept) == step_exposed(ref)
+    loss = Event(0, "all_reduce", nbytes=8, start=0.0, end=0.0, meta={"what": "loss"})
+    assert not _gradient_all_reduce(loss)
+
+
 def test_the_overlap_story_is_checked_before_a_recording_ships():
     """The release refuses a timeline that tells the opposite of the text: one bucket hiding its all-reduce,
     or overlap off exposing less than overlap on (as a loaded machine once recorded)."""
