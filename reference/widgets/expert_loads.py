@@ -18,6 +18,7 @@ __all__ = ["loads_state", "loads_caption", "draw_loads", "loads_player", "moving
 
 COLOURS = {"none": "#8C8C8C", "aux": "#DD8452", "loss_free": "#4C72B0"}
 LAYER_SHADES = ("#4C72B0", "#A1C4E8", "#55A868", "#B3DDB9")
+REPLAY_FRAMES = 15       # the headless replay's frames (0.3-0.5 s of drawing each): every fourth of 60 steps
 
 
 def moving_mean(values: list[float], window: int = 10) -> list[float]:
@@ -116,9 +117,10 @@ def draw_loads(fig, st: dict) -> None:
 
 def loads_player(result: dict, names: list[str] | None = None, *, figsize=(12, 6.4)):
     """A :class:`~reference.widgets.player.Player` over the training steps of ``result`` (the last step drawn
-    where no widget runs)."""
+    where no widget runs; its self-contained replay shows :data:`REPLAY_FRAMES` of the steps, each frame being
+    six panels to draw)."""
     from .player import Player
     n = len(next(iter(result["runs"].values()))["max_over_mean"])
     return Player(lambda step: loads_state(result, step, names), n, draw_loads, caption=loads_caption,
-                  figsize=figsize, interval_ms=150, static_step=n - 1,
+                  figsize=figsize, interval_ms=150, static_step=n - 1, replay_frames=REPLAY_FRAMES,
                   title="Expert loads while the tiny GPT trains: no balancing, Switch's loss, loss-free bias")
