@@ -93,3 +93,57 @@ def test_overlapped_halves_hide_part_of_the_all_to_all_and_the_plain_layer_none(
     assert ov["plain"]["hidden"] == 0.0 and ov["plain"]["all_to_alls"] == 4
     assert 0.0 < ov["overlapped"]["hidden"] <= 1.0 and ov["overlapped"]["all_to_alls"] == 8     # two halves
     assert lecture_frontier.overlap_story(ov) == [] or ov["overlapped"]["hidden"] < 0.1
+
+
+def _imbalance_rows(combine_light=(0.003, 0.013), experts_cpu_busy=(0.011, 0.016)) -> list[dict]:
+    """Two imbalance_cost-shaped rows, balanced then pushed: rank 1 the lighter at the push."""
+    return [{"skew": 0.0, "rows": [1040, 1008], "max_over_mean": 1.02, "experts_cpu_s": [experts_cpu_busy[0], 0.009],
+             "experts_s": [0.023, 0.018], "combine_s": [0.003, combine_light[0]], "step_s": 0.07},
+            {"skew": 0.2, "rows": [1946, 102], "max_over_mean": 1.90, "experts_cpu_s": [experts_cpu_busy[1], 0.002],
+             "experts_s": [0.017, 0.003], "combine_s": [0.0035, combine_light[1]], "step_s": 0.06}]
+
+
+def test_the_imbalance_story_holds_for_a_run_that_waits_and_names_one_that_does_not():
+    story = lecture_frontier.imbalance_story
+    assert story(_imbalance_rows()) == []
+    assert any("wait longer" in b for b in story(_imbalance_rows(combine_light=(0.003, 0.002))))
+    assert any("CPU time" in b for b in story(_imbalance_rows(experts_cpu_busy=(0.016, 0.011))))
+
+
+def test_the_overlap_story_names_a_plain_layer_that_hides_or_halves_that_hide_nothing():
+    ok = {"plain": {"hidden": 0.0}, "overlapped": {"hidden": 0.5}}
+    assert lecture_frontier.overlap_story(ok) == []
+    assert lecture_frontier.overlap_story({**ok, "overlapped": {"hidden": 0.05}})
+    assert lecture_frontier.overlap_story({**ok, "plain": {"hidden": 0.2}})
+
+
+def test_the_balance_story_holds_for_the_lectures_shape_and_names_each_contradiction():
+    from reference.moe.lecture import balance_story
+
+    def result(last: dict, task: dict) -> dict:
+        return {"runs": {name: {"max_over_mean": [2.0] * 10 + [last[name]] * 20, "task": [3.0] * 10 + [task[name]] * 20}
+                         for name in ("none", "aux", "loss_free")}}
+    same = {"none": 1.8, "aux": 1.8, "loss_free": 1.8}
+    assert balance_story(result({"none": 1.7, "aux": 1.85, "loss_free": 1.3}, same)) == []
+    assert any("most balanced" in b for b in balance_story(result({"none": 1.7, "aux": 1.8, "loss_free": 1.75}, same)))
+    assert any("away from no balancing" in b for b in balance_story(result({"none": 1.9, "aux": 1.5, "loss_free": 1.3},
+                                                                           same)))
+    assert any("cross-entropies" in b for b in balance_story(result({"none": 1.7, "aux": 1.8, "loss_free": 1.3},
+                                                                    {**same, "aux": 2.0})))
+
+
+def test_the_imbalance_plot_draws_each_ranks_work_and_the_lightest_ranks_wait():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from reference.notebook import plots
+    fig = plots.imbalance(_imbalance_rows())
+    try:
+        work, wait = fig.axes
+        assert len(work.lines) == 2 and [list(line.get_xdata()) for line in work.lines] == [[1040, 1946], [1008, 102]]
+        extra, combine = wait.lines                      # busiest − lightest experts; the lightest's combine, in ms
+        assert list(extra.get_ydata()) == pytest.approx([1e3 * (0.023 - 0.018), 1e3 * (0.017 - 0.003)])
+        assert list(combine.get_ydata()) == pytest.approx([1e3 * 0.003, 1e3 * 0.013])
+    finally:
+        plt.close(fig)
