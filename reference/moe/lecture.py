@@ -365,7 +365,7 @@ def balance_story(result: dict) -> list[str]:
     return broken
 
 
-@recordable("05b.balance_over_training", needs=("5b.1", "5b.2"), story=balance_story, **_NB)
+@recordable("05b.balance_over_training", needs=("5b.1", "5b.2", "5b.5"), story=balance_story, **_NB)
 def balance_over_training(steps: int = 60, settings: dict | None = None, *, num_experts: int = 8, top_k: int = 2,
                           router: str = "softmax", seed: int = 0, batch_size: int = 16, lr: float = 1e-2,
                           d_model: int = 32, heads: int = 4, layers: int = 2, d_ff: int = 64, seq_len: int = 16,

@@ -149,7 +149,7 @@ def folding_bytes(worlds: dict | None = None) -> dict:
     return out
 
 
-@recordable("05b.bias_drift", **_NB)
+@recordable("05b.bias_drift", needs=("5b.5",), **_NB)
 def bias_drift(steps: int = 20, worlds: dict | None = None) -> list[dict]:
     """:func:`.frontier_workers.bias_drift` on 4 ranks (ep = 2): each rank's bias after ``steps`` loss-free updates
     counted over its ep group, and over every rank."""
