@@ -166,6 +166,17 @@ if "5b.5" in EXERCISES:
         _bias._case(ctx, 2, 6, seed=584, case="W=2, every expert's load equal to the mean", ties=6)
 
 
+if "5c.1" in EXERCISES:
+    from .checks.compose import groups as _groups
+
+    @hidden_check("5c.1", "folded expert grids with pp drawn from the seed: every expert axis, ep × etp together")
+    def _(ctx):
+        rng = random.Random(salted_seed(591))
+        for _ in range(2):
+            grid = _groups._folded(rng)
+            _groups._folded_case(ctx, grid, axes=("etp", "ep", "edp", ("ep", "etp"), "pp"))
+
+
 if "5c.2" in EXERCISES:
     from .checks.compose import grad_sync as _grad_sync
     from .checks.compose import step_bytes as _step_bytes
