@@ -121,6 +121,12 @@ MUTANTS = {
                 comm.all_reduce(load, group=group)
             return bias + rate * torch.sign(load.mean() - load).to(bias.dtype)
         ''', "IN PLACE"),
+    "megatron": ('''
+        def loss_free_bias_update(bias, tokens_per_expert, rate, *, group=None):
+            from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias    # a production shortcut
+            bias.copy_(get_updated_expert_bias(tokens_per_expert, bias, rate))
+            return bias
+        ''', "switched off while exercise 5b.5 is graded"),
 }
 
 

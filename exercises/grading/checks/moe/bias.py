@@ -16,7 +16,7 @@ from ...feedback import Mismatch
 from .common import REF, ROUTING_MIRRORS, H
 
 LOSS_FREE = exercise("5b.5", "Loss-free balancing: the bias step, counted over every routing rank", "moe",
-                     ["loss_free_bias_update"], mirrors=ROUTING_MIRRORS)
+                     ["loss_free_bias_update"], mirrors=ROUTING_MIRRORS, shortcuts=("moe_bias",))
 
 # |got − expected| allowed per dtype, as (atol, rtol): the learner may round γ·sign in another order (one ulp)
 BIAS_TOL = {torch.float64: (1e-15, 1e-12), torch.float32: (1e-7, 1e-6), torch.bfloat16: (1e-4, 2.0 ** -7)}
