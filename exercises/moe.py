@@ -4,6 +4,7 @@
     5b.2  load_balancing_loss   Switch's auxiliary loss, group-wide under expert parallelism
     5b.3  dispatch, combine     move tokens to the ranks holding their experts and back (all-to-all)
     5b.4  sync_moe_gradients    gradient averaging when expert parallelism meets data parallelism
+    5b.5  loss_free_bias_update DeepSeek-V3's loss-free balancing: the bias step, counted over every routing rank
 
 Given (already written for you): :func:`expert_capacity` and :func:`router_dtype` below, and the
 traced collectives in ``reference.comm`` (``comm.all_reduce``, ``comm.all_to_all_single``, ...;
@@ -21,7 +22,7 @@ from reference import comm  # noqa: F401  (traced all_reduce / all_to_all_single
 from reference.moe.routing import expert_capacity, router_dtype  # noqa: F401  (given)
 
 __all__ = ["expert_capacity", "router_dtype", "top_k_gating", "load_balancing_loss", "dispatch", "combine",
-           "sync_moe_gradients"]
+           "sync_moe_gradients", "loss_free_bias_update"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,3 +154,33 @@ def sync_moe_gradients(dense_params: Iterable[torch.Tensor], expert_params: Iter
         "Exercise 5b.4 (sync_moe_gradients): The objective is the mean of the ranks' losses. Dense parameters"
         ' are replicated on every rank of dp_group; each expert on the ranks of expert_dp_group. What did the'
         ' all-to-all already sum into an expert\'s gradient? More help: hint("5b.4").')
+
+
+# ----------------------------------------------------------------------------------------------
+# 5b.5 — loss-free balancing: the bias step
+
+
+def loss_free_bias_update(bias: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float, *,
+                          group=None) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free bias update (arXiv:2412.19437 §2.1.2), in place; returns ``bias``.
+
+        load_e = tokens routed to expert e this step, summed over EVERY rank that routes tokens
+        b_e  ←  b_e + γ · sign(mean_e load − load_e)
+
+    bias: (E,) the per-expert bias added to the scores for choosing the top k (floating point; it keeps its
+    dtype); tokens_per_expert: (E,) this rank's assignments per expert since the last update (all its
+    micro-batches; integer or floating point, left as given); rate: γ (DeepSeek-V3: 0.001).  ``group``: the
+    ranks that route tokens — on a composed grid every data × context rank (not just the expert-parallel
+    group, whose ranks see only part of the batch: each replica would then step its bias on a different
+    count and the replicas would drift apart); None: this rank's counts alone, no communication.  One
+    all-reduce of E numbers; every rank of the group ends with the same bias.  An overloaded expert's bias
+    drops by γ, an underloaded one's rises by γ, a balanced one's (load = mean, exactly) stays.
+
+    Graded on: the bias after your update on 1–4 ranks, each given its own counts only — loads summed over
+    ``group`` (the whole world, or two groups of two ranks), loads equal to the mean, float32, float64 and
+    bfloat16 biases — updated in place and returned with its dtype, and the counts left as given.
+    """
+    raise NotImplementedError(
+        'Exercise 5b.5 (loss_free_bias_update): Every rank of group must step its bias on the same loads: the'
+        " counts of ALL the ranks that route tokens, summed. Then each expert's bias moves by γ towards the "
+        'mean load. More help: hint("5b.5").')

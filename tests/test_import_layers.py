@@ -7,7 +7,7 @@ function: both are real dependencies) is an arrow between two modules.  The laye
     foundations    reference.{collectives, mesh}
     axes           reference.{data, tensor, pipeline, sequence, moe}
     composition    reference.{gpt, compose, planner}
-    notebooks      reference.notebook, reference.widgets, every axis's ``lecture`` module
+    notebooks      reference.notebook, reference.widgets, every axis's ``lecture`` module (and ``lecture_<part>``)
     learner        exercises (the stubs and ``check``/``hint``) and its grader, exercises.grading
 
 A module may import its own layer or the ones below it, never above; and no chain of imports may
@@ -46,8 +46,10 @@ def modules() -> dict[str, Path]:
 
 
 def layer_of(module: str) -> int:
-    """A module's layer: by its role (an axis's ``lecture`` is the notebooks'), else by its package."""
-    if module.endswith(".lecture"):
+    """A module's layer: by its role (an axis's ``lecture``, and a ``lecture_<part>`` beside it, is the notebooks'),
+    else by its package."""
+    last = module.rpartition(".")[2]
+    if last == "lecture" or last.startswith("lecture_"):
         return [name for name, _ in LAYERS].index("notebooks")
     best = None
     for i, (_, prefixes) in enumerate(LAYERS):

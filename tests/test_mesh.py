@@ -403,3 +403,25 @@ def test_asking_for_an_axis_a_model_does_not_have_lists_the_ones_it_has():
     assert groups["dp_cp"] == "g-dp_cp"
     with pytest.raises(KeyError, match="no group 'edp' here; the groups are 'tp', 'dp', 'dp_cp'"):
         groups["edp"]
+
+
+def test_the_graders_folded_grids_are_rankgrids_with_etp_below_tp_and_ep_above_dp_cp_and_many():
+    """5c.1's folded expert grids: each is a RankGrid folding (etp < tp, ep > dp·cp) whose etp-ep-edp-pp groups, read
+    by rank_groups in the order the grader asks, are RankGrid's own; the seeds draw from over a thousand grids."""
+    import random
+
+    from exercises.grading.checks.compose import groups as checks
+    from reference.mesh import rank_groups
+    rng, seen = random.Random(0), set()
+    for _ in range(300):
+        g = checks._folded(rng)
+        seen.add(tuple(sorted(g.items())))
+        assert g["etp"] < g["tp"] and g["ep"] > g["dp"] * g["cp"] and g["etp"] * g["ep"] * g["edp"] == \
+            g["tp"] * g["cp"] * g["dp"]
+    for g in list(seen)[:20]:
+        g = dict(g)
+        world = g["tp"] * g["cp"] * g["dp"] * g["pp"]
+        grid = RankGrid(world, **{a: g[a] for a in ("tp", "cp", "dp", "pp", "ep", "etp")})
+        for axis in ("etp", "ep", "edp"):
+            assert rank_groups({a: g[a] for a in checks.EXPERT}, checks.EXPERT, axis) == grid.all_groups(axis)
+    assert len(seen) > 200

@@ -151,6 +151,32 @@ if "5a.5" in EXERCISES:
         _ring_backward._fresh_run(ctx, case, 575, q_scale=50.0)
 
 
+if "5b.5" in EXERCISES:
+    from .checks.moe import bias as _bias
+
+    @hidden_check("5b.5", "4 ranks, one routing group, E and γ drawn from the seed, a bfloat16 bias; 3 ranks as "
+                  "groups {0, 2} and {1} (a group of one: its own counts); every load equal: no bias moves")
+    def _(ctx):
+        rng = random.Random(salted_seed(581))
+        E = rng.choice((10, 12, 16))
+        _bias._case(ctx, 4, E, seed=582, case=f"W=4, group = every rank, E={E}, bfloat16 bias",
+                    dtype=torch.bfloat16, rate=rng.choice((4e-3, 1e-2, 2e-2)))
+        _bias._case(ctx, 3, 8, seed=583, case="W=3, groups {0, 2} and {1}, E=8", groups=[[0, 2], [1]],
+                    dtype=torch.float64, rate=1e-3)
+        _bias._case(ctx, 2, 6, seed=584, case="W=2, every expert's load equal to the mean", ties=6)
+
+
+if "5c.1" in EXERCISES:
+    from .checks.compose import groups as _groups
+
+    @hidden_check("5c.1", "folded expert grids with pp drawn from the seed: every expert axis, ep × etp together")
+    def _(ctx):
+        rng = random.Random(salted_seed(591))
+        for _ in range(2):
+            grid = _groups._folded(rng)
+            _groups._folded_case(ctx, grid, axes=("etp", "ep", "edp", ("ep", "etp"), "pp"))
+
+
 if "5c.2" in EXERCISES:
     from .checks.compose import grad_sync as _grad_sync
     from .checks.compose import step_bytes as _step_bytes

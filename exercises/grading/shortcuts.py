@@ -7,7 +7,8 @@ the learner's module is imported:
 
 * **shortcuts** — PyTorch's own version of what the exercise teaches (:data:`CATALOGUE`):
   DTensor and ``loss_parallel`` for 4.1–4.3, ``torch.distributed.pipelining`` for 4.4–4.5, DDP's
-  reducer and communication hooks for 3.2, ``ZeroRedundancyOptimizer`` for 3.3, FSDP for 3.4.
+  reducer and communication hooks for 3.2, ``ZeroRedundancyOptimizer`` for 3.3, FSDP for 3.4, and
+  the production MoE libraries' loss-free bias step (Megatron-Core, torchtitan) for 5b.5.
   What torch never imports itself is made unimportable (pipelining, ZeroRedundancyOptimizer,
   DDP's comm hooks).  FSDP and DTensor torch does import (an optimizer step loads ``torch._dynamo``,
   which loads both), so their entry points are switched off instead: the code of each is swapped
@@ -71,6 +72,9 @@ CATALOGUE: dict[str, Shortcut] = {
                                                      "_run_allreduce_hook", "_autograd_hook")))),
     "zero_redundancy_optimizer": Shortcut("torch.distributed.optim.ZeroRedundancyOptimizer",
                                           unimportable=("torch.distributed.optim",)),
+    "moe_bias": Shortcut("production loss-free bias steps (Megatron-Core's get_updated_expert_bias in "
+                         "megatron.core.transformer.moe.moe_utils, torchtitan's expert-bias update)",
+                         unimportable=("megatron", "torchtitan")),      # the whole libraries: nothing else needs them
     "fsdp": Shortcut("FSDP (fully_shard, FullyShardedDataParallel)",
                      entry_points=("torch.distributed.fsdp._fully_shard._fully_shard:fully_shard",
                                    "torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel.__init__")),

@@ -212,52 +212,94 @@ def topk_story(result: dict) -> list[str]:
     return broken
 
 
+def _heldout_batch(seq_len: int):
+    """128 windows of ``corpus(seed=1)``: new sentences of the training grammar, never trained on."""
+    from ..gpt import corpus, encode, get_batch
+    _, alphabet = encode(corpus())
+    index = {c: i for i, c in enumerate(alphabet)}
+    held = torch.tensor([index[c] for c in corpus(seed=1)])
+    return get_batch(held, 0, 128, seq_len, seed=1)
+
+
+def _topk_run(name: str, seed: int, config: dict, steps: int, batch_size: int, lr: float, eval_every: int,
+              with_cost: bool) -> dict:
+    """One :func:`topk_quality` run (one setting, one seed), one thread: the training curve, the held-out curve,
+    and (``with_cost``) :func:`_block_costs` of the trained model on the held-out batch."""
+    import torch.nn.functional as F
+
+    from ..gpt import GPTConfig, TinyGPT, corpus, encode, train_single
+    _, alphabet = encode(corpus())
+    hx, hy = _heldout_batch(config["seq_len"])
+    with _one_thread():
+        torch.manual_seed(seed)
+        model = TinyGPT(GPTConfig(vocab=len(alphabet), **config)).double()
+        curve = []
+
+        def evaluate(step, _loss):
+            if (step + 1) % eval_every == 0 or step + 1 == steps:
+                with torch.no_grad():
+                    logits = model(hx)
+                curve.append((step + 1, F.cross_entropy(logits.flatten(0, 1), hy.flatten()).item()))
+        losses = train_single(steps, batch_size=batch_size, lr=lr, seed=seed, model=model, on_step=evaluate)
+        return {"losses": losses, "heldout": curve, "cost": _block_costs(model, hx) if with_cost else None}
+
+
+def _share_worker(fn, jobs: list[tuple], kw: dict) -> list[tuple[int, object]]:
+    """Rank function: this rank's share of independent ``jobs`` (every W-th, from its rank), each ``fn(*job, **kw)``."""
+    from .. import comm
+    r, W = comm.rank(), comm.world_size()
+    return [(i, fn(*jobs[i], **kw)) for i in range(r, len(jobs), W)]
+
+
+def _run_jobs(fn, jobs: list[tuple], worlds: dict | None, **kw) -> list:
+    """``[fn(*job, **kw) for job in jobs]``, shared out over the ranks of the largest live world in ``worlds``
+    (independent one-thread runs: the same numbers, done side by side on the machine's cores), else here."""
+    if not worlds:
+        return [fn(*job, **kw) for job in jobs]
+    world = worlds[max(worlds)]
+    done = dict(pair for share in world.run(_share_worker, fn, jobs, kw).values for pair in share)
+    return [done[i] for i in range(len(jobs))]
+
+
+class _one_thread:
+    """One intra-op thread for a tiny model (a second only spins on a 2-core machine); restored after."""
+
+    def __enter__(self):
+        self.old = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.old)
+
+
 @recordable("05b.topk_quality", needs=("5b.1", "5b.2"), story=topk_story, **_NB)
 def topk_quality(steps: int = 150, seeds: tuple = (0, 1, 2), num_experts: int = 4, batch_size: int = 16,
                  lr: float = 1e-2, eval_every: int = 25, d_model: int = 32, heads: int = 4, layers: int = 2,
-                 d_ff: int = 64, seq_len: int = 16, moe_every: int = 2) -> dict:
-    """The tiny GPT (reference.gpt, float64, one process, one thread) trained dense, top-1 and top-2
+                 d_ff: int = 64, seq_len: int = 16, moe_every: int = 2, worlds: dict | None = None) -> dict:
+    """The tiny GPT (reference.gpt, float64, one thread per run) trained dense, top-1 and top-2
     (``num_experts`` dropless experts in every ``moe_every``-th block; top-1 and top-2 from the same
-    initial weights for a seed), once per seed, with :func:`reference.gpt.train_single`.
+    initial weights for a seed), once per seed, with :func:`reference.gpt.train_single`.  With ``worlds``
+    ({n: World}) the runs are shared out over the ranks of the largest (the same numbers, side by side).
 
     Returns {"config", "runs": {setting: {"losses": per seed train_single's curve (task + 0.01·aux),
     "heldout": per seed [(step, held-out cross-entropy)] every ``eval_every`` steps and at the end}},
     "cost": {setting: :func:`_block_costs` on the held-out batch}}.  Held out: 128 windows of
     ``corpus(seed=1)`` — new sentences of the same grammar, never trained on.
     """
-    import torch.nn.functional as F
-
-    from ..gpt import GPTConfig, TinyGPT, corpus, encode, get_batch, train_single
     size = dict(d_model=d_model, heads=heads, layers=layers, d_ff=d_ff, seq_len=seq_len)
-    _, alphabet = encode(corpus())
-    index = {c: i for i, c in enumerate(alphabet)}
-    held = torch.tensor([index[c] for c in corpus(seed=1)])
-    hx, hy = get_batch(held, 0, 128, seq_len, seed=1)
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    runs, cost = {}, {}
-    try:
-        for name, extra in SETTINGS.items():
-            config = dict(size, num_experts=num_experts, moe_every=moe_every, **extra) if extra else size
-            runs[name] = {"losses": [], "heldout": []}
-            for seed in seeds:
-                torch.manual_seed(seed)
-                model = TinyGPT(GPTConfig(vocab=len(alphabet), **config)).double()
-                curve = []
-
-                def evaluate(step, _loss, model=model, curve=curve):
-                    if (step + 1) % eval_every == 0 or step + 1 == steps:
-                        with torch.no_grad():
-                            logits = model(hx)
-                        curve.append((step + 1, F.cross_entropy(logits.flatten(0, 1), hy.flatten()).item()))
-                runs[name]["losses"].append(train_single(steps, batch_size=batch_size, lr=lr, seed=seed,
-                                                         model=model, on_step=evaluate))
-                runs[name]["heldout"].append(curve)
-            cost[name] = _block_costs(model, hx)
-    finally:
-        torch.set_num_threads(old)
+    jobs = [(name, seed, dict(size, num_experts=num_experts, moe_every=moe_every, **extra) if extra else size)
+            for name, extra in SETTINGS.items() for seed in seeds]
+    done = _run_jobs(_topk_run, [(name, seed, config, steps, batch_size, lr, eval_every, seed == seeds[-1])
+                                 for name, seed, config in jobs], worlds)
+    runs = {name: {"losses": [], "heldout": []} for name in SETTINGS}
+    cost = {}
+    for (name, _seed, _config), run in zip(jobs, done):
+        runs[name]["losses"].append(run["losses"])
+        runs[name]["heldout"].append(run["heldout"])
+        if run["cost"] is not None:
+            cost[name] = run["cost"]
     return {"config": dict(size, steps=steps, seeds=tuple(seeds), num_experts=num_experts, batch_size=batch_size,
-                           lr=lr, moe_every=moe_every, heldout_tokens=hx.numel()),
+                           lr=lr, moe_every=moe_every, heldout_tokens=128 * seq_len),
             "runs": runs, "cost": cost}
 
 
@@ -270,49 +312,80 @@ BALANCE_SETTINGS = {                  # name: GPTConfig fields — no balancing,
 }
 
 
-def balance_over_training(steps: int = 150, settings: dict | None = None, *, num_experts: int = 8, top_k: int = 2,
+def _balance_run(fields: dict, size: dict, steps: int, seed: int, batch_size: int, lr: float) -> dict:
+    """One :func:`balance_over_training` run (one setting), one thread."""
+    import torch.nn.functional as F
+
+    from ..gpt import GPTConfig, MoEMLP, TinyGPT, corpus, encode, train_single
+    _, alphabet = encode(corpus())
+    with _one_thread():
+        torch.manual_seed(seed)
+        model = TinyGPT(GPTConfig(vocab=len(alphabet), **size, **fields)).double()
+        blocks = [b.mlp for b in model.blocks if isinstance(b.mlp, MoEMLP)]
+        moe = [b.moe for b in blocks]
+        step_loads, loads, biases, task = [], [], [], []
+        hooks = [m.register_forward_hook(
+            lambda _m, _i, out: step_loads.append(out[1]["tokens_per_expert"].double())) for m in moe]
+
+        def after(_step, loss):
+            loads.append([t.tolist() for t in step_loads])
+            biases.append([m.expert_bias.tolist() for m in moe])
+            step_loads.clear()
+            extra = model.cfg.aux_loss_coef * sum(float(b.aux_loss.detach()) for b in blocks) / len(blocks)
+            if model.cfg.z_loss_coef:
+                extra += model.cfg.z_loss_coef * sum(float(b.z_loss.detach()) for b in blocks) / len(blocks)
+            task.append(loss - extra)
+        try:
+            loss = train_single(steps, batch_size=batch_size, lr=lr, seed=seed, model=model, on_step=after)
+        finally:
+            for h in hooks:
+                h.remove()
+        hx, hy = _heldout_batch(size["seq_len"])
+        with torch.no_grad():
+            heldout = F.cross_entropy(model(hx).flatten(0, 1), hy.flatten()).item()
+    ratio = [sum(max(layer) / (sum(layer) / len(layer)) for layer in step) / len(step) for step in loads]
+    return {"loss": loss, "task": task, "heldout": heldout, "max_over_mean": ratio, "loads": loads, "bias": biases}
+
+
+def balance_story(result: dict) -> list[str]:
+    """How a :func:`balance_over_training` result contradicts lecture 5b §8.4 (empty if it does not): loss-free ends
+    the most balanced (mean max/mean over the last 20 steps), Switch's loss at α = 0.01 within 0.3 of no balancing,
+    and the three cross-entropies (last 20 steps) within 0.1 of each other."""
+    runs, broken = result["runs"], []
+    if set(runs) != set(BALANCE_SETTINGS):
+        return []
+    last = {name: sum(run["max_over_mean"][-20:]) / 20 for name, run in runs.items()}
+    task = {name: sum(run["task"][-20:]) / 20 for name, run in runs.items()}
+    if last["loss_free"] >= min(last["none"], last["aux"]):
+        broken.append("loss-free balancing did not end the most balanced")
+    if abs(last["aux"] - last["none"]) > 0.3:
+        broken.append("Switch's loss at α = 0.01 moved the balance well away from no balancing")
+    if max(task.values()) - min(task.values()) > 0.1:
+        broken.append("the three cross-entropies did not end close")
+    return broken
+
+
+@recordable("05b.balance_over_training", needs=("5b.1", "5b.2", "5b.5"), story=balance_story, **_NB)
+def balance_over_training(steps: int = 60, settings: dict | None = None, *, num_experts: int = 8, top_k: int = 2,
                           router: str = "softmax", seed: int = 0, batch_size: int = 16, lr: float = 1e-2,
                           d_model: int = 32, heads: int = 4, layers: int = 2, d_ff: int = 64, seq_len: int = 16,
-                          moe_every: int = 1) -> dict:
-    """The tiny GPT (reference.gpt, float64, one process, one thread) trained once per balance setting
+                          moe_every: int = 1, worlds: dict | None = None) -> dict:
+    """The tiny GPT (reference.gpt, float64, one thread per run) trained once per balance setting
     (``settings``: name → GPTConfig fields, default :data:`BALANCE_SETTINGS`), from the same initial
     weights: per step the expert loads of every MoE layer, their max/mean (mean over the layers: 1.0 is
     perfectly balanced, E/k all on k experts), the loss, and each layer's loss-free bias after the step.
+    With ``worlds`` ({n: World}) the settings run side by side on the ranks of the largest.
 
-    Returns {"config", "runs": {name: {"loss": [steps], "max_over_mean": [steps], "loads": [steps][layers][E],
-    "bias": [steps][layers][E]}}}.  The loads are the assignments each layer's router made in that step
-    (k per token), counted by a hook on its output, so they are the counts the loss-free bias step used.
+    Returns {"config", "runs": {name: {"loss": [steps] (train_single's: task + α·aux), "task": [steps] (the
+    cross-entropy alone), "heldout": the trained model's cross-entropy on 128 held-out windows,
+    "max_over_mean": [steps], "loads": [steps][layers][E], "bias": [steps][layers][E]}}}.  The loads are the
+    assignments each layer's router made in that step (k per token), counted by a hook on its output, so they
+    are the counts the loss-free bias step used.
     """
-    from ..gpt import GPTConfig, TinyGPT, corpus, encode, train_single
-    from .layer import MoELayer
     settings = BALANCE_SETTINGS if settings is None else settings
     size = dict(d_model=d_model, heads=heads, layers=layers, d_ff=d_ff, seq_len=seq_len, num_experts=num_experts,
                 top_k=top_k, moe_every=moe_every, router=router)
-    _, alphabet = encode(corpus())
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    runs = {}
-    try:
-        for name, fields in settings.items():
-            torch.manual_seed(seed)
-            model = TinyGPT(GPTConfig(vocab=len(alphabet), **size, **fields)).double()
-            moe = [m for m in model.modules() if isinstance(m, MoELayer)]
-            step_loads, loads, biases = [], [], []
-            hooks = [m.register_forward_hook(
-                lambda _m, _i, out: step_loads.append(out[1]["tokens_per_expert"].double())) for m in moe]
-
-            def after(_step, _loss, moe=moe, step_loads=step_loads, loads=loads, biases=biases):
-                loads.append([t.tolist() for t in step_loads])
-                biases.append([m.expert_bias.tolist() for m in moe])
-                step_loads.clear()
-            try:
-                loss = train_single(steps, batch_size=batch_size, lr=lr, seed=seed, model=model, on_step=after)
-            finally:
-                for h in hooks:
-                    h.remove()
-            ratio = [sum(max(layer) / (sum(layer) / len(layer)) for layer in step) / len(step) for step in loads]
-            runs[name] = {"loss": loss, "max_over_mean": ratio, "loads": loads, "bias": biases}
-    finally:
-        torch.set_num_threads(old)
+    done = _run_jobs(_balance_run, [(fields, size, steps, seed, batch_size, lr) for fields in settings.values()],
+                     worlds)
     return {"config": dict(size, steps=steps, seed=seed, batch_size=batch_size, lr=lr, settings=settings),
-            "runs": runs}
+            "runs": dict(zip(settings, done))}

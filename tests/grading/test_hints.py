@@ -44,7 +44,7 @@ def test_stub_raises_a_nudge_not_the_later_tiers_and_points_to_hint(ex_id, modul
 
 
 @pytest.mark.parametrize("ex_id", ["0.1", "0.2", "5a.1", "5a.2", "5a.3", "5a.4", "5a.5", "5b.1", "5b.2", "5b.3",
-                                   "5b.4"])
+                                   "5b.4", "5b.5"])
 def test_in_lectures_0_5a_5b_the_stubs_error_is_tier_one(ex_id):
     assert all(HINTS[ex_id][0] in m for m in exercises.stub_messages(ex_id))
     assert exercises.hint(ex_id).tier == 2                     # the first hint() is the next tier

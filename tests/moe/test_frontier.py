@@ -4,6 +4,8 @@ the per-expert loop, the hidden fraction of an all-to-all and the bytes that cro
 truth written out here independently (loops, hand-made examples), float64 where the path allows."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -249,6 +251,16 @@ def test_balance_over_training_series_follow_the_bias_rule_and_train_single():
         assert len(r["max_over_mean"]) == 4 and all(1.0 <= x <= 4 / 2 + 1e-12 for x in r["max_over_mean"])
         assert all(sum(layer) == 2 * 4 * 8 for step in r["loads"] for layer in step)      # k · B · S
     assert all(b == [0.0] * 4 for step in res["runs"]["aux"]["bias"] for b in step)      # no bias without loss_free
+    assert run["task"] == run["loss"] and math.isfinite(run["heldout"])              # no α·aux to take away
+    aux = res["runs"]["aux"]
+    assert all(t < loss for t, loss in zip(aux["task"], aux["loss"]))                 # the cross-entropy alone
+
+
+def test_balance_runs_shared_out_over_ranks_are_the_same_runs(world):
+    from reference.moe.lecture import BALANCE_SETTINGS, balance_over_training
+    kw = dict(num_experts=4, top_k=2, d_model=16, heads=2, layers=2, d_ff=32, seq_len=8, batch_size=4)
+    settings = {name: BALANCE_SETTINGS[name] for name in ("aux", "loss_free")}
+    assert balance_over_training(3, settings, worlds={2: world(2)}, **kw) == balance_over_training(3, settings, **kw)
 
 
 def test_our_layer_equals_torchtitans_moe_when_installed():

@@ -86,3 +86,10 @@ def test_story_names_a_run_that_contradicts_the_text():
     far = copy.deepcopy(ok)
     far["runs"]["top-2"]["heldout"] = [[(1, v - 0.5)] for v in (1.00, 1.05, 0.90)]
     assert any("larger than the seed spread" in b for b in topk_story(far))
+
+
+def test_runs_shared_out_over_ranks_are_the_same_runs(small, world):
+    """The notebook shares the nine runs out over its ranks: the same numbers, curves and costs alike."""
+    shared = topk_quality(steps=6, seeds=(0, 1), num_experts=4, batch_size=4, eval_every=3, worlds={2: world(2)},
+                          **SIZE)
+    assert shared == small

@@ -63,5 +63,7 @@ def test_measure_link_builds_a_link_from_a_live_world(world):
     assert isinstance(link, Link) and link.alpha >= 0 and link.beta > 0 and link.flops > 0 and link.hbm_bw > 0
     assert len(m["pingpong"]) == len(m["all_reduce"]) == 4 and m["p"] == 2
     assert link.flops == min(m["flops_per_rank"]) and "2 ranks" in link.name
+    alone = measure.measure_link(world(2), sizes=(8, 1 << 20), repeats=1, all_reduce=False)     # the link alone
+    assert alone["all_reduce"] is None and len(alone["pingpong"]) == 2 and alone["link"].beta > 0
     with pytest.raises(ValueError, match="at least 2"):
         measure.measure_link(type("W", (), {"world_size": 1})())

@@ -63,3 +63,10 @@ def test_the_player_carries_the_animation_beside_its_widget_and_picture_only_whe
         bundle = _player(2)._repr_mimebundle_()
         assert ("text/html" in bundle) is wanted and "image/png" in bundle
         assert "application/vnd.jupyter.widget-view+json" in bundle
+
+
+def test_a_player_with_a_frame_budget_replays_that_many_steps_and_without_one_every_step(monkeypatch):
+    monkeypatch.setenv("COURSE_ANIMATIONS", "html")
+    budget = _data(_player(12, replay_frames=4)._repr_mimebundle_()["text/html"])
+    assert budget["steps"] == [0, 4, 7, 11] and len(budget["frames"]) == 4
+    assert _data(_player(5)._repr_mimebundle_()["text/html"])["steps"] == [0, 1, 2, 3, 4]

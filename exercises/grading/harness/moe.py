@@ -1,4 +1,4 @@
-"""Lecture 5b's harness: rank functions that call the learner's 5b.1–5b.4 and return plain values.
+"""Lecture 5b's harness: rank functions that call the learner's 5b.1–5b.5 and return plain values.
 Each rank gets its own tokens, routing and gradients only (``mine``)."""
 from __future__ import annotations
 
@@ -73,3 +73,22 @@ def grad_sync_per_rank(module: str, mine: tuple, ep: int):
     dense, experts = params(mine[0]), params(mine[1])
     _fn(module, "sync_moe_gradients")(dense, experts, dp_group=dp_group, expert_dp_group=groups[r % ep])
     return {"dense": [p.grad for p in dense], "experts": [p.grad for p in experts]}
+
+
+def bias_update_per_rank(module: str, mine: tuple, rate: float, groups: list | None):
+    """On each rank: the learner's loss-free bias step on this rank's own bias and counts (``mine = (bias,
+    tokens_per_expert)``), over the group of ``groups`` (a partition of the world's ranks; every rank makes
+    every group, in order) that holds this rank, or with ``group=None`` when ``groups`` is None.  Returns what
+    came back, the bias tensor it was given (after the call), whether the two are one tensor, and the counts."""
+    import torch.distributed as dist
+
+    from reference import comm
+    group = None
+    if groups is not None:
+        r = dist.get_rank()
+        made = [comm.new_group(list(g)) for g in groups]
+        group = next(h for g, h in zip(groups, made) if r in g)
+    bias, counts = mine[0].clone(), mine[1].clone()
+    out = _fn(module, "loss_free_bias_update")(bias, counts, rate, group=group)
+    returned = out.detach().clone() if isinstance(out, torch.Tensor) else out
+    return {"returned": returned, "same": out is bias, "bias": bias.detach(), "counts": counts}

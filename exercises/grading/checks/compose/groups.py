@@ -13,7 +13,7 @@ from ...core import CheckFailed, exercise, salted_seed
 H = "exercises.grading.harness"
 REF = "reference.mesh"
 
-__all__ = ["GROUPS", "MEGATRON", "PICOTRON", "HINTS"]
+__all__ = ["GROUPS", "MEGATRON", "PICOTRON", "EXPERT", "HINTS"]
 
 # The answer is one reshape and a transpose (numpy's, or a DeviceMesh's): that stays.  The course's
 # own RankGrid (its coordinates, its groups of Megatron's order) is switched off while 5c.1 is graded.
@@ -109,6 +109,39 @@ def _(ctx):
     sizes = _draw(rng, dict(tp=(1, 8), ep=(1, 32), edp=(1, 32), pp=(1, 8)), 2048, 2)   # 28,108 grids
     for axis in ("ep", "edp"):
         _case(ctx, sizes, ("tp", "ep", "edp", "pp"), axis)
+
+
+EXPERT = ("etp", "ep", "edp", "pp")
+
+
+def _folded(rng: random.Random, cap: int = 2048) -> dict[str, int]:
+    """A folded expert grid as ``RankGrid(world, tp=, cp=, dp=, pp=, ep=, etp=)`` builds it (MoE parallel folding):
+    etp below tp and ep above dp·cp, so the ep group reaches into the tensor ranks; its sizes, edp included."""
+    while True:
+        tp, cp = rng.choice((2, 4, 8)), rng.choice((1, 2, 4))
+        dp, pp = rng.randint(1, 16), rng.randint(1, 8)
+        etp = rng.choice([d for d in (1, 2, 4) if d < tp])
+        folded = tp * cp * dp // etp                                   # ep · edp
+        eps = [e for e in range(dp * cp + 1, folded + 1) if folded % e == 0]
+        if eps and tp * cp * dp * pp <= cap:
+            ep = rng.choice(eps)
+            return dict(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp, edp=folded // ep)
+
+
+def _folded_case(ctx, grid: dict[str, int], axes=("etp", "ep", "edp")) -> None:
+    """The expert grid of ``grid`` (etp-ep-edp-pp over the ranks the dense grid tp-cp-dp-pp lays out) and its dense
+    grid, each axis judged against the reference."""
+    for axis in axes:
+        _case(ctx, {a: grid[a] for a in EXPERT}, EXPERT, axis)
+    _case(ctx, {a: grid[a] for a in MEGATRON}, MEGATRON, "tp")
+
+
+@GROUPS.check("folded expert grids (RankGrid's etp below tp, ep above dp·cp) up to 2048 ranks: etp, ep, edp and "
+              "the dense tp groups of the same ranks")
+def _(ctx):
+    rng = random.Random(salted_seed(59))
+    for _ in range(2):
+        _folded_case(ctx, _folded(rng))
 
 
 @GROUPS.check("an order that is not an arrangement of the axes raises ValueError", requires_value=True)
