@@ -27,7 +27,7 @@ LAYERS = [
                  "reference.saved")),
     ("foundations", ("reference.collectives", "reference.mesh")),
     ("axes", ("reference.data", "reference.tensor", "reference.pipeline", "reference.sequence", "reference.moe")),
-    ("composition", ("reference.gpt", "reference.compose", "reference.planner")),
+    ("composition", ("reference.gpt", "reference.compose", "reference.planner", "reference.debug")),
     ("notebooks", ("reference.notebook", "reference.widgets")),
     ("learner", ("exercises",)),
 ]
