@@ -11,10 +11,14 @@
     runs        the same training recorded on one process and on a grid (the tiny GPT; lecture 4a's blocks)
     plants      one classic silent bug per axis, planted in an otherwise correct run
     divergence  exercise 6.2: first_divergence(parallel_run, single_run) — bisect the steps, walk the records
+    accumulate  exercise 6.3: the given run (gradient accumulation over padded documents) with its silent bug,
+                and the repaired step
+    oracles     the grader's truths: real hang reports, recorded plant runs, one process's gradients
     lecture     the notebook's recorded demos
 """
+from .accumulate import accumulate_gradients
 from .diagnose import diagnose_hang
 from .divergence import first_divergence
 from .records import Divergence, Record, Run
 
-__all__ = ["diagnose_hang", "first_divergence", "Divergence", "Record", "Run"]
+__all__ = ["diagnose_hang", "first_divergence", "accumulate_gradients", "Divergence", "Record", "Run"]

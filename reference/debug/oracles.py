@@ -1,0 +1,220 @@
+"""Lecture 6 — the grader's truths, computed by the reference in the grader's own process.
+
+    hang_reports        6.1: the course's report of each hang case, run on real ranks here (several worlds
+                        at once), with the kind and the ranks at fault it was planted with
+    divergence_case     6.2: a recorded run with a plant of :mod:`.plants` (or none) and one process's, as
+                        plain data, and where :func:`.divergence.first_divergence` finds them parting
+    accumulation_truth  6.3: one process's loss and gradients of the padded batch
+
+Answers are cached by their arguments: a grader grades many submissions on the same inputs.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import asdict
+
+import torch
+
+from .records import Record, Run
+
+__all__ = ["hang_reports", "divergence_case", "divergence_cases", "perturbed", "accumulation_truth",
+           "accumulation_wrong", "to_plain", "from_plain"]
+
+_CACHE: dict = {}
+
+
+# ----------------------------------------------------------------------------------------------
+# 6.1
+
+
+def hang_reports(cases: tuple, timeout: float = 2.0) -> list[dict]:
+    """For each case ``(name, world_size, faulty, options)`` — ``options`` a dict of the program's
+    (``num_microbatches``; ``"detail": True`` runs it under TORCH_DISTRIBUTED_DEBUG=DETAIL) — the report
+    of :func:`.hangs.run_hang` with ``"truth": {"kind", "ranks"}``.  The worlds start and hang together."""
+    from ..launch import World
+    from .hangs import hang_report, hang_program
+    from .tools import _environment
+    key = ("hangs", repr(cases), timeout)
+    if key in _CACHE:
+        return copy.deepcopy(_CACHE[key])
+    worlds = [World(w, timeout=timeout, echo=False) for _, w, _, _ in cases]
+
+    def start_all(indices) -> None:
+        threads = [threading.Thread(target=worlds[i].start) for i in indices]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    detail = [i for i, c in enumerate(cases) if c[3].get("detail")]
+    with _environment(TORCH_DISTRIBUTED_DEBUG="DETAIL"):
+        start_all(detail)
+    start_all([i for i in range(len(cases)) if i not in detail])
+    out: list = [None] * len(cases)
+
+    def run(i: int) -> None:
+        name, w, faulty, options = cases[i]
+        program = {k: v for k, v in options.items() if k != "detail"}
+        try:
+            worlds[i].run(hang_program, name, tuple(faulty), **program)
+            out[i] = {"finished": True}
+        except Exception as e:                     # noqa: BLE001 - a WorldError is the point
+            out[i] = hang_report(e, w) if hasattr(e, "failures") else {"error": repr(e)}
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for world in worlds:
+            world.close()
+    for (name, w, faulty, options), report in zip(cases, out):
+        truth_ranks = sorted(faulty) if name not in ("group",) else sorted(
+            r for r, v in report.get("ranks", {}).items() if v["state"] in ("blocked", "running"))
+        report["truth"] = {"kind": name, "ranks": truth_ranks}
+    _CACHE[key] = out
+    return copy.deepcopy(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# 6.2
+
+
+def to_plain(run: Run) -> dict:
+    """A Run as lists, tuples, numbers and tensors (what crosses to the grader's runner)."""
+    return {"records": [(r.step, r.phase, r.module, r.tensor, tuple(r.shape),
+                         [(rank, tuple(o), b) for rank, o, b in r.pieces]) for r in run.records],
+            "world_size": run.world_size, "info": run.info}
+
+
+def from_plain(data: dict) -> Run:
+    return Run([Record(s, ph, m, t, tuple(shape), [(rank, tuple(o), b) for rank, o, b in pieces])
+                for s, ph, m, t, shape, pieces in data["records"]], data["world_size"], data.get("info", {}))
+
+
+def _divergence_plain(d) -> dict | None:
+    if d is None:
+        return None
+    out = asdict(d)
+    out["index"] = tuple(out["index"])
+    return out
+
+
+def divergence_case(plant: str | None, sizes: dict, *, where: dict | None = None, seed: int = 0, steps: int = 2,
+                    family: str = "gpt", options: dict | None = None) -> dict:
+    """A plant's run on ``sizes`` (None: a correct run) and one process's, both as plain data, and
+    the reference's answer: {"parallel", "single", "answer" (a Divergence as a dict, or None)}."""
+    return divergence_cases((dict(plant=plant, sizes=sizes, where=where or {}, seed=seed, steps=steps, family=family,
+                                  options=options or {}),))[0]
+
+
+def perturbed(case: dict, step: int, index: int, rank_piece: int, size: float) -> dict:
+    """``case`` (a :func:`divergence_case` of a correct run) with a bug of our own: from record ``index``
+    of step ``step`` on (and in every later step), piece ``rank_piece`` of each record off by ``size``
+    relative to its largest entry; the answer recomputed by the reference."""
+    from .divergence import first_divergence
+    case = copy.deepcopy(case)
+    single = case["single"]["records"]
+    order = [(r[0], r[1], r[2], r[3]) for r in single]
+    in_step = [i for i, k in enumerate(order) if k[0] == step]
+    start = in_step[index % len(in_step)]
+    touched = {k for i, k in enumerate(order) if i >= start and (k[0] > step or i == start)}
+    for s, ph, m, t, shape, pieces in case["parallel"]["records"]:
+        if (s, ph, m, t) in touched and pieces:
+            rank, o, b = pieces[rank_piece % len(pieces)]
+            scale = float(b.abs().max()) or 1.0
+            b.add_(torch.full_like(b, size * scale))
+    case["answer"] = _divergence_plain(first_divergence(from_plain(case["parallel"]), from_plain(case["single"])))
+    return case
+
+
+# ----------------------------------------------------------------------------------------------
+# 6.3
+
+
+def accumulation_truth(batch: int, seq_len: int, *, seed: int, data_seed: int, min_len: int = 0, **config) -> dict:
+    """One process's loss and gradients (by parameter name) of the padded batch: the mean cross-entropy
+    over its real tokens (0 and zero gradients if it has none)."""
+    import torch.nn.functional as F
+
+    from .accumulate import IGNORE, _model, padded_batch
+    key = ("accumulation", batch, seq_len, seed, data_seed, min_len, repr(sorted(config.items())))
+    if key not in _CACHE:
+        model = _model(seed, seq_len=seq_len, **config)
+        x, y = padded_batch(batch, seq_len, seed=data_seed, min_len=min_len)
+        real = int((y != IGNORE).sum())
+        summed = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
+        loss = summed / max(real, 1)
+        loss.backward()
+        _CACHE[key] = {"loss": float(loss), "real_tokens": real,
+                       "grads": {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+                                 for n, p in model.named_parameters()}}
+    return copy.deepcopy(_CACHE[key])
+
+
+def accumulation_wrong(batch: int, seq_len: int, world_size: int, num_microbatches: int, *, seed: int, data_seed: int,
+                       min_len: int = 0, **config) -> dict:
+    """The gradients the usual wrong steps give (for the grader's feedback), by name:
+    "given" — each micro-batch's mean ÷ m, averaged over ranks (the given step's);
+    "rank_mean" — each rank's own token mean, averaged over ranks (accumulation fixed, the ranks not)."""
+    import torch.nn.functional as F
+
+    from .accumulate import IGNORE, _model, microbatches, padded_batch
+    key = ("accumulation_wrong", batch, seq_len, world_size, num_microbatches, seed, data_seed, min_len,
+           repr(sorted(config.items())))
+    if key not in _CACHE:
+        x, y = padded_batch(batch, seq_len, seed=data_seed, min_len=min_len)
+        out = {}
+        for how in ("given", "rank_mean"):
+            model = _model(seed, seq_len=seq_len, **config)
+            for r in range(world_size):
+                mbs = microbatches(x, y, r, world_size, num_microbatches)
+                n_rank = sum(int((t != IGNORE).sum()) for _, t in mbs)
+                for xb, yb in mbs:
+                    s = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten(), ignore_index=IGNORE, reduction="sum")
+                    if how == "given":
+                        loss = s / (yb != IGNORE).sum() / num_microbatches / world_size
+                    else:
+                        loss = s / max(n_rank, 1) / world_size
+                    loss.backward()
+            out[how] = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+                        for n, p in model.named_parameters()}
+        _CACHE[key] = out
+    return copy.deepcopy(_CACHE[key])
+
+
+def divergence_cases(cases: tuple) -> list[dict]:
+    """:func:`divergence_case` for each case (a dict of its arguments), the parallel runs of one world
+    size in one world (started once, closed after): what one check needs in one call."""
+    from ..launch import World
+    from .divergence import first_divergence
+    from .runs import record_many, record_single
+    todo: dict[int, list] = {}
+    for i, c in enumerate(cases):
+        key = ("divergence", repr(sorted(c.items())))
+        if key not in _CACHE:
+            sizes = c["sizes"]
+            n = 1
+            for a in ("tp", "cp", "dp", "pp"):
+                n *= sizes.get(a, 1)
+            todo.setdefault(n, []).append(i)
+    for n, idx in todo.items():
+        world = World(n, timeout=120, echo=False)
+        try:
+            runs = record_many([dict(family=cases[i].get("family", "gpt"), sizes=cases[i]["sizes"],
+                                     steps=cases[i].get("steps", 2), plant=cases[i].get("plant"),
+                                     where=cases[i].get("where") or {}, seed=cases[i].get("seed", 0),
+                                     **cases[i].get("options", {})) for i in idx], n, world)
+        finally:
+            world.close()
+        for i, par in zip(idx, runs):
+            c = cases[i]
+            opts = c.get("options", {})
+            one = record_single(c.get("family", "gpt"), c.get("steps", 2), seed=c.get("seed", 0),
+                                **{k: v for k, v in opts.items()
+                                   if k in ("clip_grad_norm", "num_experts", "top_k", "moe_every")})
+            _CACHE[("divergence", repr(sorted(c.items())))] = {
+                "parallel": to_plain(par), "single": to_plain(one),
+                "answer": _divergence_plain(first_divergence(par, one))}
+    return [copy.deepcopy(_CACHE[("divergence", repr(sorted(c.items())))]) for c in cases]
