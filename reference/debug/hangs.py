@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from .. import comm
 
-__all__ = ["CASES", "HangCase", "hang_program", "run_hang", "hang_report", "default_faulty"]
+__all__ = ["CASES", "HangCase", "hang_program", "run_hang", "run_hangs", "hang_report", "default_faulty"]
 
 
 @dataclass(frozen=True)
@@ -272,3 +272,46 @@ def run_hang(case: str, world_size: int, faulty=None, *, fixed: bool = False, ti
     finally:
         if own:
             w.close()
+
+
+def run_hangs(cases, timeout: float = 2.0, env: dict | None = None) -> list[dict]:
+    """Several cases at once, each on its own fresh world: ``cases`` lists ``(name, world_size, faulty,
+    options)``; ``options`` holds the program's keywords, ``"fixed": True`` for the repaired program and
+    ``"env": {...}`` for environment variables its ranks start with (TORCH_DISTRIBUTED_DEBUG=DETAIL).
+    Returns per case :func:`hang_report` + "seconds" (from the run to the report), or {"finished": True,
+    "values": ...}.  All worlds start, then run, together: one world start's wait, not one per case."""
+    import time
+
+    from ..launch import World
+    from .tools import _environment
+    worlds = [World(w, timeout=timeout, echo=False) for _, w, _, _ in cases]
+
+    def together(jobs) -> None:
+        threads = [threading.Thread(target=job) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    envs = sorted({tuple(sorted(o.get("env", {}).items())) for _, _, _, o in cases})
+    for env_items in envs:                        # ranks copy the environment when they start
+        with _environment(**dict(env_items)):
+            together([worlds[i].start for i, c in enumerate(cases) if tuple(sorted(c[3].get("env", {}).items()))
+                      == env_items])
+    out: list = [None] * len(cases)
+
+    def run(i: int) -> None:
+        name, w, faulty, options = cases[i]
+        program = {k: v for k, v in options.items() if k != "env"}
+        t0 = time.perf_counter()
+        try:
+            out[i] = {"finished": True, "values": worlds[i].run(hang_program, name, tuple(faulty), **program).values}
+        except Exception as e:                    # noqa: BLE001 - a WorldError is the point
+            if not hasattr(e, "failures"):
+                raise
+            out[i] = {**hang_report(e, w), "finished": False, "seconds": time.perf_counter() - t0}
+    try:
+        together([lambda i=i: run(i) for i in range(len(cases))])
+    finally:
+        for world in worlds:
+            world.close()
+    return out

@@ -11,7 +11,6 @@ Answers are cached by their arguments: a grader grades many submissions on the s
 from __future__ import annotations
 
 import copy
-import threading
 from dataclasses import asdict
 
 import torch
@@ -31,50 +30,21 @@ _CACHE: dict = {}
 def hang_reports(cases: tuple, timeout: float = 2.0) -> list[dict]:
     """For each case ``(name, world_size, faulty, options)`` — ``options`` a dict of the program's
     (``num_microbatches``; ``"detail": True`` runs it under TORCH_DISTRIBUTED_DEBUG=DETAIL) — the report
-    of :func:`.hangs.run_hang` with ``"truth": {"kind", "ranks"}``.  The worlds start and hang together."""
-    from ..launch import World
-    from .hangs import hang_report, hang_program
-    from .tools import _environment
+    of the hang (:func:`.hangs.run_hangs`: the worlds start and hang together) with ``"truth": {"kind",
+    "ranks"}``, the kind and ranks it was planted with (for "group", every stuck rank)."""
+    from .hangs import run_hangs
     key = ("hangs", repr(cases), timeout)
-    if key in _CACHE:
-        return copy.deepcopy(_CACHE[key])
-    worlds = [World(w, timeout=timeout, echo=False) for _, w, _, _ in cases]
-
-    def start_all(indices) -> None:
-        threads = [threading.Thread(target=worlds[i].start) for i in indices]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    detail = [i for i, c in enumerate(cases) if c[3].get("detail")]
-    with _environment(TORCH_DISTRIBUTED_DEBUG="DETAIL"):
-        start_all(detail)
-    start_all([i for i in range(len(cases)) if i not in detail])
-    out: list = [None] * len(cases)
-
-    def run(i: int) -> None:
-        name, w, faulty, options = cases[i]
-        program = {k: v for k, v in options.items() if k != "detail"}
-        try:
-            worlds[i].run(hang_program, name, tuple(faulty), **program)
-            out[i] = {"finished": True}
-        except Exception as e:                     # noqa: BLE001 - a WorldError is the point
-            out[i] = hang_report(e, w) if hasattr(e, "failures") else {"error": repr(e)}
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        for world in worlds:
-            world.close()
-    for (name, w, faulty, options), report in zip(cases, out):
-        truth_ranks = sorted(faulty) if name not in ("group",) else sorted(
-            r for r, v in report.get("ranks", {}).items() if v["state"] in ("blocked", "running"))
-        report["truth"] = {"kind": name, "ranks": truth_ranks}
-    _CACHE[key] = out
-    return copy.deepcopy(out)
+    if key not in _CACHE:
+        runs = [(n, w, tuple(f), {**{k: v for k, v in o.items() if k != "detail"},
+                                  **({"env": {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}} if o.get("detail") else {})})
+                for n, w, f, o in cases]
+        out = run_hangs(runs, timeout)
+        for (name, _, faulty, _), report in zip(cases, out):
+            stuck = sorted(r for r, v in report.get("ranks", {}).items() if v["state"] in ("blocked", "running"))
+            report["truth"] = {"kind": name, "ranks": stuck if name == "group" else sorted(faulty)}
+            report.pop("seconds", None)
+        _CACHE[key] = out
+    return copy.deepcopy(_CACHE[key])
 
 
 # ----------------------------------------------------------------------------------------------
