@@ -42,7 +42,6 @@ def hang_reports(cases: tuple, timeout: float = 2.0) -> list[dict]:
         for (name, _, faulty, _), report in zip(cases, out):
             stuck = sorted(r for r, v in report.get("ranks", {}).items() if v["state"] in ("blocked", "running"))
             report["truth"] = {"kind": name, "ranks": stuck if name == "group" else sorted(faulty)}
-            report.pop("seconds", None)
         _CACHE[key] = out
     return copy.deepcopy(_CACHE[key])
 
