@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -274,6 +275,22 @@ def run_hang(case: str, world_size: int, faulty=None, *, fixed: bool = False, ti
             w.close()
 
 
+@contextmanager
+def _environment(**values: str):
+    """Set environment variables while ranks are started (they copy the environment), then restore."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+
 def run_hangs(cases, timeout: float = 2.0, env: dict | None = None) -> list[dict]:
     """Several cases at once, each on its own fresh world: ``cases`` lists ``(name, world_size, faulty,
     options)``; ``options`` holds the program's keywords, ``"fixed": True`` for the repaired program and
@@ -283,7 +300,6 @@ def run_hangs(cases, timeout: float = 2.0, env: dict | None = None) -> list[dict
     import time
 
     from ..launch import World
-    from .tools import _environment
     worlds = [World(w, timeout=timeout, echo=False) for _, w, _, _ in cases]
 
     def together(jobs) -> None:

@@ -20,14 +20,28 @@ PLANT_NEEDS = COMPOSED_NEEDS + ("6.2",)
 
 
 @recordable("06.hang_gallery")
-def hang_gallery(world_size: int = 3, timeout: float = 2.0) -> dict:
-    """Each of the six cases with its bug on its default ranks, and then fixed — twelve worlds of
-    ``world_size`` ranks started and run together.  {case: {"report": …, "fixed": the fix's values}}."""
+def hang_gallery(world_size: int = 3, timeout: float = 2.0, worlds: dict | None = None) -> dict:
+    """Each of the six cases with its bug on its default ranks (six worlds of ``world_size`` ranks started
+    and run together), and then fixed (in one more world, meanwhile).
+    {case: {"report": …, "faulty": [...], "fixed": {"finished": True, "values": …}}}."""
+    from .hangs import hang_program
     W = world_size
     bugs = [(n, W, default_faulty(n, W), {"num_microbatches": 1} if n == "pipeline" else {}) for n in CASES]
-    fixed = [(n, W, f, dict(o, fixed=True)) for n, _, f, o in bugs]
-    out = run_hangs(bugs + fixed, timeout)
-    return {n: {"report": out[i], "faulty": list(bugs[i][2]), "fixed": out[len(bugs) + i]} for i, n in enumerate(CASES)}
+    fixed: dict = {}
+
+    def fixes() -> None:
+        with live_world(W, worlds) as w:
+            for name, _, faulty, options in bugs:
+                fixed[name] = {"finished": True, "values": w.run(hang_program, name, faulty, fixed=True,
+                                                                 **options).values}
+    thread = threading.Thread(target=fixes)
+    thread.start()
+    try:
+        out = run_hangs(bugs, timeout)
+    finally:
+        thread.join()
+    return {n: {"report": out[i], "faulty": list(bugs[i][2]), "fixed": fixed.get(n, {"finished": False})}
+            for i, n in enumerate(CASES)}
 
 
 @recordable("06.tools_gallery")

@@ -29,26 +29,10 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 
-from .hangs import default_faulty, hang_program, hang_report
+from .hangs import _environment, default_faulty, hang_program, hang_report
 
 __all__ = ["detail_report", "timeout_report", "flight_recorder", "py_spy", "py_spy_path", "program_frame"]
-
-
-@contextmanager
-def _environment(**values: str):
-    """Set environment variables while ranks are started (they copy the environment), then restore."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _run(case: str, world_size: int, faulty, *, timeout: float, env: dict | None = None, **program) -> dict:
