@@ -11,29 +11,33 @@ from ..compose.lecture import COMPOSED_NEEDS
 from ..notebook.recorded import live_world, recordable
 from .hangs import CASES, default_faulty, run_hangs
 
-__all__ = ["hang_gallery", "tools_gallery", "plant_gallery", "divergence_map", "given_run_search", "fixed_run_search",
-           "bisection_cost", "hang_figure", "map_figure", "PLANT_NEEDS"]
+__all__ = ["GALLERY_RANKS", "hang_gallery", "tools_gallery", "plant_gallery", "divergence_map", "given_run_search",
+           "fixed_run_search", "bisection_cost", "hang_figure", "map_figure", "PLANT_NEEDS"]
 
 # a planted run goes through every layer of a composed step (lecture 5c's) and lecture 4a's blocks; its
 # search through first_divergence (6.2): the release replays the recording until they all pass
 PLANT_NEEDS = COMPOSED_NEEDS + ("6.2",)
 
 
+GALLERY_RANKS = {"order": 3, "skip": 2, "p2p": 2, "pipeline": 3, "group": 3, "shape": 2}
+
+
 @recordable("06.hang_gallery")
-def hang_gallery(world_size: int = 3, timeout: float = 2.0, worlds: dict | None = None) -> dict:
-    """Each of the six cases with its bug on its default ranks (six worlds of ``world_size`` ranks started
-    and run together), and then fixed (in one more world, meanwhile).
+def hang_gallery(timeout: float = 2.0, worlds: dict | None = None) -> dict:
+    """Each of the six cases with its bug on its default ranks (six worlds of 2 or 3 ranks,
+    :data:`GALLERY_RANKS`, started and run together), and then fixed (in one more world of 3, meanwhile).
     {case: {"report": …, "faulty": [...], "fixed": {"finished": True, "values": …}}}."""
     from .hangs import hang_program
-    W = world_size
-    bugs = [(n, W, default_faulty(n, W), {"num_microbatches": 1} if n == "pipeline" else {}) for n in CASES]
+    W = 3
+    bugs = [(n, GALLERY_RANKS[n], default_faulty(n, GALLERY_RANKS[n]),
+             {"num_microbatches": 1} if n == "pipeline" else {}) for n in CASES]
     fixed: dict = {}
 
     def fixes() -> None:
         with live_world(W, worlds) as w:
-            for name, _, faulty, options in bugs:
-                fixed[name] = {"finished": True, "values": w.run(hang_program, name, faulty, fixed=True,
-                                                                 **options).values}
+            for name, _, _, options in bugs:
+                fixed[name] = {"finished": True, "values": w.run(hang_program, name, default_faulty(name, W),
+                                                                 fixed=True, **options).values}
     thread = threading.Thread(target=fixes)
     thread.start()
     try:
@@ -45,28 +49,44 @@ def hang_gallery(world_size: int = 3, timeout: float = 2.0, worlds: dict | None 
 
 
 @recordable("06.tools_gallery")
-def tools_gallery(world_size: int = 3) -> dict:
+def tools_gallery(timeout: float = 3.0) -> dict:
     """PyTorch's own tools on the same hangs, run together: TORCH_DISTRIBUTED_DEBUG=DETAIL on "order" and
-    "shape", a 1-second process-group timeout on "skip", the flight recorder on "order", py-spy on
-    "pipeline".  Each entry is what :mod:`.tools` returns."""
+    "shape", a 1-second process-group timeout on "skip", the flight recorder on "order" (2 ranks each), py-spy
+    on "pipeline" (3 stages).  Each entry is what :mod:`.tools` returns."""
     from . import tools
-    W, out = world_size, {}
-    jobs = {"detail_order": lambda: tools.detail_report("order", W),
-            "detail_shape": lambda: tools.detail_report("shape", W),
-            "timeout_skip": lambda: tools.timeout_report("skip", W, group_timeout=1.0),
-            "flight_recorder_order": lambda: tools.flight_recorder("order", W),
-            "py_spy_pipeline": lambda: tools.py_spy("pipeline", W)}
+    starts = {"detail_order": (2, tools.DETAIL, timeout), "detail_shape": (2, tools.DETAIL, timeout),
+              "flight_recorder_order": (2, tools.flight_recorder_env(), 4.5), "timeout_skip": (2, {}, 6.0),
+              "py_spy_pipeline": (3, {}, 4.0)}
+    worlds: dict = {}
+
+    def together(jobs) -> None:
+        threads = [threading.Thread(target=job) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def start(name: str) -> None:
+        n, env, t = starts[name]
+        worlds[name] = tools.start_world(n, timeout=t, env=env)
+    # ranks read the environment when they start: DETAIL's worlds first, then the others (the flight
+    # recorder's buffer is harmless in the timeout and py-spy worlds)
+    together([lambda n=n: start(n) for n in ("detail_order", "detail_shape")])
+    together([lambda n=n: start(n) for n in ("flight_recorder_order", "timeout_skip", "py_spy_pipeline")])
+    jobs = {"detail_order": lambda w: tools.detail_report("order", 2, world=w),
+            "detail_shape": lambda w: tools.detail_report("shape", 2, world=w),
+            "flight_recorder_order": lambda w: tools.flight_recorder("order", 2, world=w),
+            "timeout_skip": lambda w: tools.timeout_report("skip", 2, group_timeout=1.0, world=w),
+            "py_spy_pipeline": lambda w: tools.py_spy("pipeline", 3, world=w)}
+    out: dict = {}
 
     def run(name: str) -> None:
-        out[name] = jobs[name]()
-    # environment variables are read when ranks start: the DETAIL and flight-recorder worlds start one by one
-    for name in ("detail_order", "detail_shape", "flight_recorder_order"):
-        run(name)
-    threads = [threading.Thread(target=run, args=(n,)) for n in ("timeout_skip", "py_spy_pipeline")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        out[name] = jobs[name](worlds[name])
+    try:
+        together([lambda n=n: run(n) for n in jobs])
+    finally:
+        for w in worlds.values():
+            w.close()
     return out
 
 
@@ -181,7 +201,7 @@ def bisection_cost(steps: int = 8, bug_step: int = 6, worlds: dict | None = None
     d = first_divergence(counting, single)
     first = next(i for i, r in enumerate(single.records) if r.key == (d.step, d.phase, d.module, d.tensor))
     return {"steps": steps, "bug_step": bug_step, "records": len(single.records), "compared": len(fetched),
-            "linear": first + 1, "divergence": (d.step, d.phase, d.module, d.tensor)}
+            "linear": first + 1, "divergence": (d.step, d.phase, d.module, d.tensor), "rows": _map(parallel, single)}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,16 +32,25 @@ import time
 
 from .hangs import _environment, default_faulty, hang_program, hang_report
 
-__all__ = ["detail_report", "timeout_report", "flight_recorder", "py_spy", "py_spy_path", "program_frame"]
+__all__ = ["detail_report", "timeout_report", "flight_recorder", "py_spy", "py_spy_path", "program_frame",
+           "start_world", "DETAIL", "flight_recorder_env"]
 
 
-def _run(case: str, world_size: int, faulty, *, timeout: float, env: dict | None = None, **program) -> dict:
-    from ..launch import World, WorldError
-    faulty = tuple(default_faulty(case, world_size) if faulty is None else faulty)
+def start_world(world_size: int, *, timeout: float, env: dict | None = None):
+    """A started world whose ranks run with ``env`` in their environment (read when they start)."""
+    from ..launch import World
     world = World(world_size, timeout=timeout, echo=False)
+    with _environment(**(env or {})):
+        world.start()
+    return world
+
+
+def _run(case: str, world_size: int, faulty, *, timeout: float, env: dict | None = None, world=None,
+         **program) -> dict:
+    from ..launch import WorldError
+    faulty = tuple(default_faulty(case, world_size) if faulty is None else faulty)
+    world = world if world is not None else start_world(world_size, timeout=timeout, env=env)
     try:
-        with _environment(**(env or {})):
-            world.start()
         t0 = time.perf_counter()
         try:
             values = world.run(hang_program, case, faulty, **program).values
@@ -53,26 +62,34 @@ def _run(case: str, world_size: int, faulty, *, timeout: float, env: dict | None
         world.close()
 
 
-def detail_report(case: str, world_size: int, faulty=None, *, timeout: float = 3.0) -> dict:
+DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+
+
+def flight_recorder_env(entries: int = 64) -> dict:
+    return {"TORCH_FR_BUFFER_SIZE": str(entries)}
+
+
+def detail_report(case: str, world_size: int, faulty=None, *, timeout: float = 3.0, world=None) -> dict:
     """The report of ``case`` with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` in every rank: collectives are
-    checked against each other before they run (a mismatch becomes an error naming each side)."""
-    return _run(case, world_size, faulty, timeout=timeout, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    checked against each other before they run (a mismatch becomes an error naming each side).
+    ``world``: one started with :data:`DETAIL` (:func:`start_world`)."""
+    return _run(case, world_size, faulty, timeout=timeout, env=DETAIL, world=world)
 
 
 def timeout_report(case: str, world_size: int, faulty=None, *, group_timeout: float = 1.0,
-                   timeout: float = 6.0) -> dict:
+                   timeout: float = 6.0, world=None) -> dict:
     """The report of ``case`` run in a process group with a ``group_timeout``-second timeout: gloo
     itself ends the wait with an error on each waiting rank (the launcher's ``timeout`` is longer)."""
-    return _run(case, world_size, faulty, timeout=timeout, group_timeout=group_timeout)
+    return _run(case, world_size, faulty, timeout=timeout, group_timeout=group_timeout, world=world)
 
 
 def flight_recorder(case: str, world_size: int, faulty=None, *, entries: int = 64, dump_after: float = 0.5,
-                    timeout: float = 4.5) -> dict:
+                    timeout: float = 4.5, world=None) -> dict:
     """Each rank's flight-recorder entries while ``case`` hangs: ``{"report": …, "ranks": {r: [entry, …]}}``,
     an entry ``{"seq": collective sequence number, "op": "gloo:all_reduce", "state": …, "sizes": input sizes}``.
     (A rank blocked in a collective takes ~2.7 s to dump: torch waits on the work in flight first.)"""
     with tempfile.TemporaryDirectory(prefix="flight-recorder-") as d:
-        report = _run(case, world_size, faulty, timeout=timeout, env={"TORCH_FR_BUFFER_SIZE": str(entries)},
+        report = _run(case, world_size, faulty, timeout=timeout, env=flight_recorder_env(entries), world=world,
                       flight_recorder_dir=d, dump_after=dump_after)
         ranks = {}
         for r in range(world_size):
@@ -109,7 +126,7 @@ def _main_thread(dump: str) -> str:
     return block.group(1).rstrip() if block else dump.strip()
 
 
-def py_spy(case: str, world_size: int, faulty=None, *, wait: float = 0.5, timeout: float = 4.0) -> dict:
+def py_spy(case: str, world_size: int, faulty=None, *, wait: float = 0.5, timeout: float = 4.0, world=None) -> dict:
     """``py-spy dump`` of every rank while ``case`` hangs, then the course's report.
 
     Returns ``{"dumps": {r: py-spy's text}, "frames": {r: the program's line it is stuck on},
@@ -117,9 +134,9 @@ def py_spy(case: str, world_size: int, faulty=None, *, wait: float = 0.5, timeou
     exe = py_spy_path()
     if exe is None:
         return {"error": "py-spy is not installed here (pip install py-spy)"}
-    from ..launch import World, WorldError
+    from ..launch import WorldError
     faulty = tuple(default_faulty(case, world_size) if faulty is None else faulty)
-    world = World(world_size, timeout=timeout, echo=False).start()
+    world = world if world is not None else start_world(world_size, timeout=timeout)
     out: dict = {"dumps": {}, "frames": {}, "innermost": {}}
     with tempfile.TemporaryDirectory(prefix="py-spy-") as d:
         result: dict = {}
