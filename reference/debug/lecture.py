@@ -53,11 +53,12 @@ def tools_gallery(timeout: float = 3.0) -> dict:
     """PyTorch's own tools on the same hangs, run together: TORCH_DISTRIBUTED_DEBUG=DETAIL on "order" and
     "shape", a 1-second process-group timeout on "skip", the flight recorder on "order" (2 ranks each), py-spy
     on "pipeline" (3 stages).  Each entry is what :mod:`.tools` returns."""
+    from ..launch import World
     from . import tools
-    starts = {"detail_order": (2, tools.DETAIL, timeout), "detail_shape": (2, tools.DETAIL, timeout),
-              "flight_recorder_order": (2, tools.flight_recorder_env(), 4.5), "timeout_skip": (2, {}, 6.0),
-              "py_spy_pipeline": (3, {}, 4.0)}
-    worlds: dict = {}
+    from .hangs import _environment
+    sizes = {"detail_order": (2, timeout), "detail_shape": (2, timeout), "flight_recorder_order": (2, 8.0),
+             "timeout_skip": (2, 6.0), "py_spy_pipeline": (3, 4.0)}          # ranks, seconds before the report
+    worlds = {name: World(n, timeout=t, echo=False) for name, (n, t) in sizes.items()}
 
     def together(jobs) -> None:
         threads = [threading.Thread(target=job) for job in jobs]
@@ -65,14 +66,12 @@ def tools_gallery(timeout: float = 3.0) -> dict:
             t.start()
         for t in threads:
             t.join()
-
-    def start(name: str) -> None:
-        n, env, t = starts[name]
-        worlds[name] = tools.start_world(n, timeout=t, env=env)
-    # ranks read the environment when they start: DETAIL's worlds first, then the others (the flight
-    # recorder's buffer is harmless in the timeout and py-spy worlds)
-    together([lambda n=n: start(n) for n in ("detail_order", "detail_shape")])
-    together([lambda n=n: start(n) for n in ("flight_recorder_order", "timeout_skip", "py_spy_pipeline")])
+    # ranks read the environment when they start, and os.environ is one for every thread: DETAIL's worlds
+    # start first, then the others (the flight recorder's buffer is harmless in the timeout and py-spy worlds)
+    with _environment(**tools.DETAIL):
+        together([worlds[n].start for n in ("detail_order", "detail_shape")])
+    with _environment(**tools.flight_recorder_env()):
+        together([worlds[n].start for n in ("flight_recorder_order", "timeout_skip", "py_spy_pipeline")])
     jobs = {"detail_order": lambda w: tools.detail_report("order", 2, world=w),
             "detail_shape": lambda w: tools.detail_report("shape", 2, world=w),
             "flight_recorder_order": lambda w: tools.flight_recorder("order", 2, world=w),

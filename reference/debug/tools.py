@@ -37,7 +37,8 @@ __all__ = ["detail_report", "timeout_report", "flight_recorder", "py_spy", "py_s
 
 
 def start_world(world_size: int, *, timeout: float, env: dict | None = None):
-    """A started world whose ranks run with ``env`` in their environment (read when they start)."""
+    """A started world whose ranks run with ``env`` in their environment (read when they start; os.environ
+    is the process's: start worlds with different environments one after the other, not in threads)."""
     from ..launch import World
     world = World(world_size, timeout=timeout, echo=False)
     with _environment(**(env or {})):
@@ -83,11 +84,12 @@ def timeout_report(case: str, world_size: int, faulty=None, *, group_timeout: fl
     return _run(case, world_size, faulty, timeout=timeout, group_timeout=group_timeout, world=world)
 
 
-def flight_recorder(case: str, world_size: int, faulty=None, *, entries: int = 64, dump_after: float = 0.5,
-                    timeout: float = 4.5, world=None) -> dict:
+def flight_recorder(case: str, world_size: int, faulty=None, *, entries: int = 64, dump_after: float = 0.3,
+                    timeout: float = 8.0, world=None) -> dict:
     """Each rank's flight-recorder entries while ``case`` hangs: ``{"report": …, "ranks": {r: [entry, …]}}``,
     an entry ``{"seq": collective sequence number, "op": "gloo:all_reduce", "state": …, "sizes": input sizes}``.
-    (A rank blocked in a collective takes ~2.7 s to dump: torch waits on the work in flight first.)"""
+    (A rank blocked in a collective takes ~2.7 s to dump on an idle machine — torch waits on the work in
+    flight first — hence the long ``timeout``.)"""
     with tempfile.TemporaryDirectory(prefix="flight-recorder-") as d:
         report = _run(case, world_size, faulty, timeout=timeout, env=flight_recorder_env(entries), world=world,
                       flight_recorder_dir=d, dump_after=dump_after)
