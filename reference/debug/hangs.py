@@ -182,11 +182,12 @@ _PROGRAMS = {"order": _order, "skip": _skip, "p2p": _p2p, "pipeline": _pipeline,
 
 def _dump_flight_recorder_after(seconds: float, path: str) -> None:
     """A daemon thread that writes this rank's flight-recorder buffer (torch's pickle) to ``path`` after
-    ``seconds``: gloo has no watchdog that dumps it on a timeout, as NCCL's does."""
+    ``seconds``: gloo has no watchdog that dumps it on a timeout, as NCCL's does.  Without the entries'
+    stack traces: symbolising them waits on the collective in flight (seconds, more on a busy machine)."""
     def dump() -> None:
         import time
         time.sleep(seconds)
-        data = torch._C._distributed_c10d._dump_fr_trace()
+        data = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)
         with open(path + ".tmp", "wb") as f:
             f.write(data)
         os.replace(path + ".tmp", path)

@@ -56,7 +56,7 @@ def tools_gallery(timeout: float = 3.0) -> dict:
     from ..launch import World
     from . import tools
     from .hangs import _environment
-    sizes = {"detail_order": (2, timeout), "detail_shape": (2, timeout), "flight_recorder_order": (2, 8.0),
+    sizes = {"detail_order": (2, timeout), "detail_shape": (2, timeout), "flight_recorder_order": (2, 4.0),
              "timeout_skip": (2, 6.0), "py_spy_pipeline": (3, 4.0)}          # ranks, seconds before the report
     worlds = {name: World(n, timeout=t, echo=False) for name, (n, t) in sizes.items()}
 
