@@ -23,11 +23,13 @@ ORACLES = "reference.debug.oracles"
 
 __all__ = ["DIAGNOSE", "FIRST", "ACCUMULATE", "HINTS"]
 
-DIAGNOSE = exercise("6.1", "Read a hang report: the kind of hang and the ranks at fault", "debug", ["diagnose_hang"])
-# The grader's own truths would answer by another road: switched off while 6.2 and 6.3 are graded.
+# The grader's own truths, and the lecture's map of every record's difference, would answer by another
+# road: switched off while their exercise is graded.
+DIAGNOSE = exercise("6.1", "Read a hang report: the kind of hang and the ranks at fault", "debug", ["diagnose_hang"],
+                    mirrors=("reference.debug.oracles:hang_reports",))
 FIRST = exercise("6.2", "first_divergence: where a parallel run first parts from one process", "debug",
                  ["first_divergence"], mirrors=("reference.debug.oracles:divergence_cases",
-                                                "reference.debug.oracles:perturbed"))
+                                                "reference.debug.oracles:perturbed", "reference.debug.lecture:_map"))
 ACCUMULATE = exercise("6.3", "Fix the given run: gradient accumulation over padded documents", "debug",
                       ["accumulate_gradients"], comm=("all_reduce",),
                       mirrors=("reference.debug.oracles:accumulation_truth",
@@ -53,9 +55,9 @@ def hang_cases(seed: int, big: bool = False) -> tuple:
             ("shape", W, (rng.randrange(W),), {"detail": True}))
 
 
-def _reports(ctx, big: bool = False) -> dict:
+def _reports(ctx, big: bool = False, kinds: tuple = ()) -> dict:
     cases = hang_cases(ctx.seed(61 if not big else 62), big)
-    cases = tuple((n, w, f if n != "p2p" else tuple(range(w)), o) for n, w, f, o in cases)
+    cases = tuple((n, w, f if n != "p2p" else tuple(range(w)), o) for n, w, f, o in cases if not kinds or n in kinds)
     return {c[0]: r for c, r in zip(cases, ctx.oracle(f"{ORACLES}:hang_reports", cases))}
 
 
