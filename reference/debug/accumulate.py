@@ -33,14 +33,16 @@ IGNORE = -100
 ACCUMULATION = dict(layers=1, d_model=16, heads=2, d_ff=32, seq_len=8)    # the tiny GPT of these runs
 
 
-def padded_batch(batch: int, seq_len: int, *, seed: int = 0, vocab: int = 27, min_len: int = 0):
+def padded_batch(batch: int, seq_len: int, *, seed: int = 0, vocab: int = 27, min_len: int = 0, empty: tuple = ()):
     """(x, y) of ``batch`` documents padded to ``seq_len``: x (batch, seq_len) token ids, y the next
-    token or IGNORE past each document's length (drawn in min_len … seq_len; 0 real tokens allowed)."""
+    token or IGNORE past each document's length (drawn in min_len … seq_len; 0 real tokens allowed);
+    the rows in ``empty`` hold no real token at all."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, vocab, (batch, seq_len), generator=g)
     y = torch.randint(0, vocab, (batch, seq_len), generator=g)
     lengths = torch.randint(min_len, seq_len + 1, (batch,), generator=g)
     y[torch.arange(seq_len).expand(batch, -1) >= lengths[:, None]] = IGNORE
+    y[list(empty)] = IGNORE
     return x, y
 
 

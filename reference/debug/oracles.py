@@ -102,38 +102,39 @@ def perturbed(case: dict, step: int, index: int, rank_piece: int, size: float) -
 # 6.3
 
 
-def accumulation_truth(batch: int, seq_len: int, *, seed: int, data_seed: int, min_len: int = 0, **config) -> dict:
+def accumulation_truth(batch: int, seq_len: int, *, seed: int, data_seed: int, min_len: int = 0, empty: tuple = (),
+                       **config) -> dict:
     """One process's loss and gradients (by parameter name) of the padded batch: the mean cross-entropy
     over its real tokens (0 and zero gradients if it has none)."""
     import torch.nn.functional as F
 
     from .accumulate import IGNORE, _model, padded_batch
-    key = ("accumulation", batch, seq_len, seed, data_seed, min_len, repr(sorted(config.items())))
+    key = ("accumulation", batch, seq_len, seed, data_seed, min_len, tuple(empty), repr(sorted(config.items())))
     if key not in _CACHE:
         model = _model(seed, seq_len=seq_len, **config)
-        x, y = padded_batch(batch, seq_len, seed=data_seed, min_len=min_len)
+        x, y = padded_batch(batch, seq_len, seed=data_seed, min_len=min_len, empty=empty)
         real = int((y != IGNORE).sum())
         summed = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
         loss = summed / max(real, 1)
         loss.backward()
-        _CACHE[key] = {"loss": float(loss), "real_tokens": real,
+        _CACHE[key] = {"loss": float(loss.detach()), "real_tokens": real,
                        "grads": {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
                                  for n, p in model.named_parameters()}}
     return copy.deepcopy(_CACHE[key])
 
 
 def accumulation_wrong(batch: int, seq_len: int, world_size: int, num_microbatches: int, *, seed: int, data_seed: int,
-                       min_len: int = 0, **config) -> dict:
+                       min_len: int = 0, empty: tuple = (), **config) -> dict:
     """The gradients the usual wrong steps give (for the grader's feedback), by name:
     "given" — each micro-batch's mean ÷ m, averaged over ranks (the given step's);
     "rank_mean" — each rank's own token mean, averaged over ranks (accumulation fixed, the ranks not)."""
     import torch.nn.functional as F
 
     from .accumulate import IGNORE, _model, microbatches, padded_batch
-    key = ("accumulation_wrong", batch, seq_len, world_size, num_microbatches, seed, data_seed, min_len,
+    key = ("accumulation_wrong", batch, seq_len, world_size, num_microbatches, seed, data_seed, min_len, tuple(empty),
            repr(sorted(config.items())))
     if key not in _CACHE:
-        x, y = padded_batch(batch, seq_len, seed=data_seed, min_len=min_len)
+        x, y = padded_batch(batch, seq_len, seed=data_seed, min_len=min_len, empty=empty)
         out = {}
         for how in ("given", "rank_mean"):
             model = _model(seed, seq_len=seq_len, **config)

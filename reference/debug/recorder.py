@@ -21,7 +21,6 @@ the global tensor), so a run is compared with one process exactly as a checkpoin
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +30,6 @@ from ..compose.checkpoint import _pieces
 from .records import Record
 
 __all__ = ["Layout", "Recorder", "cuts_of", "param_pieces", "RecordingOptimizer"]
-
-# a first module whose input needs no gradient (a batch of data) still gets its ∂L/∂output recorded
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect "
-                        "to module outputs")
 
 
 @dataclass

@@ -58,9 +58,11 @@ class BlockStack(nn.Module):
 
 
 def _blocks_data(cfg: dict, seed: int):
+    """(x, target), each (S, B, d); x requires grad, so the first block's ∂L/∂input is recorded too."""
     g = torch.Generator().manual_seed(seed + 1)
     shape = (cfg["seq_len"], cfg["batch"], cfg["d_model"])
-    return torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
+    x = torch.randn(shape, generator=g, dtype=torch.float64).requires_grad_()
+    return x, torch.randn(shape, generator=g, dtype=torch.float64)
 
 
 def _blocks_model(cfg: dict, seed: int) -> BlockStack:

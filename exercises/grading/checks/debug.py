@@ -274,19 +274,28 @@ def _scaled(m: Mismatch) -> str | None:
     return None
 
 
-def _accumulate_case(ctx, W: int, m: int, *, batch: int, data_seed: int, min_len: int = 0, words: str) -> None:
+def _nan_from_an_empty_microbatch(m: Mismatch) -> str | None:
+    if m.has_nonfinite and "empty" in m.case:
+        return ("NaN: a micro-batch with no real token divides 0 by 0 in a mean. Divide the summed loss by the real "
+                "tokens of the WHOLE batch (at least 1), never by a micro-batch's own count.")
+    return None
+
+
+def _accumulate_case(ctx, W: int, m: int, *, batch: int, data_seed: int, min_len: int = 0, empty: tuple = (),
+                     words: str) -> None:
     seq_len, seed = 8, ctx.seed(65)
-    truth = ctx.oracle(f"{ORACLES}:accumulation_truth", batch, seq_len, seed=seed, data_seed=data_seed, min_len=min_len)
+    truth = ctx.oracle(f"{ORACLES}:accumulation_truth", batch, seq_len, seed=seed, data_seed=data_seed, min_len=min_len,
+                       empty=empty)
     wrong = ctx.oracle(f"{ORACLES}:accumulation_wrong", batch, seq_len, W, m, seed=seed, data_seed=data_seed,
-                       min_len=min_len)
-    res = ctx.ranks(W, f"{H}:accumulate_per_rank", batch, seq_len, m, seed, data_seed, min_len)
+                       min_len=min_len, empty=empty)
+    res = ctx.ranks(W, f"{H}:accumulate_per_rank", batch, seq_len, m, seed, data_seed, min_len, empty)
     for r, v in enumerate(res.values):
         loss = v.get("loss") if isinstance(v, dict) else None
         for name, want in truth["grads"].items():
             got = v["grads"].get(name) if isinstance(v, dict) else None
             got = torch.zeros_like(want) if got is None and not want.any() else got
             ctx.compare(got, want, f"gradient of {name}", rank=r, world_size=W, atol=1e-12, rtol=1e-9, case=words,
-                        detectors=[_given_step, _scaled], extra={"name": name, **wrong})
+                        detectors=[_nan_from_an_empty_microbatch, _given_step, _scaled], extra={"name": name, **wrong})
         if not isinstance(loss, float) or abs(loss - truth["loss"]) > 1e-9 * max(1.0, abs(truth["loss"])):
             raise CheckFailed(f"[{words}] rank {r} returned the loss {loss!r}; one process's mean over the "
                               f"{truth['real_tokens']} real tokens is {truth['loss']:.12g}.")
@@ -310,7 +319,7 @@ def _(ctx):
 
 @ACCUMULATE.check("2 ranks × 4 micro-batches, some with no real token at all: no NaN, = one process", timeout=90)
 def _(ctx):
-    _accumulate_case(ctx, 2, 4, batch=8, data_seed=ctx.seed(69), min_len=0, words="W=2, m=4, empty micro-batches")
+    _accumulate_case(ctx, 2, 4, batch=8, data_seed=ctx.seed(69), empty=(1, 6), words="W=2, m=4, empty micro-batches")
 
 
 # Hints in tiers: the stub's error shows tier 1; ``hint("6.x")`` shows the next one each call.

@@ -15,7 +15,7 @@ def divergence_call(module: str, parallel: dict, single: dict, kwargs: dict):
 
 
 def accumulate_per_rank(module: str, batch: int, seq_len: int, num_microbatches: int, seed: int, data_seed: int,
-                        min_len: int):
+                        min_len: int, empty: tuple = ()):
     """On each rank: the tiny GPT from ``seed`` (the same everywhere), this rank's micro-batches of the
     padded batch, the learner's accumulate_gradients over the world; its loss and gradients by name."""
     import torch.distributed as dist
@@ -23,7 +23,7 @@ def accumulate_per_rank(module: str, batch: int, seq_len: int, num_microbatches:
     from reference.debug.accumulate import _model, microbatches, padded_batch
     r, W = dist.get_rank(), dist.get_world_size()
     model = _model(seed, seq_len=seq_len)
-    x, y = padded_batch(batch, seq_len, seed=data_seed, min_len=min_len)
+    x, y = padded_batch(batch, seq_len, seed=data_seed, min_len=min_len, empty=empty)
     loss = _fn(module, "accumulate_gradients")(model, microbatches(x, y, r, W, num_microbatches), group=None)
     return {"loss": float(loss) if isinstance(loss, (int, float)) or hasattr(loss, "item") else loss,
             "grads": {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()}}
