@@ -209,7 +209,7 @@ def hang_program(case: str, faulty=(), *, fixed: bool = False, size: int = 4, gr
     if case not in CASES:
         raise ValueError(f"unknown hang case {case!r}; the cases are {', '.join(CASES)}")
     r, W = dist.get_rank(), dist.get_world_size()
-    if W < CASES[case].min_ranks:
+    if W < CASES[case].min_ranks and not fixed:
         raise ValueError(f"case {case!r} needs at least {CASES[case].min_ranks} ranks, got {W}")
     if pid_dir is not None:
         with open(os.path.join(pid_dir, f"rank{r}.pid"), "w") as f:
@@ -301,7 +301,7 @@ def run_hangs(cases, timeout: float = 2.0, env: dict | None = None) -> list[dict
     import time
 
     from ..launch import World
-    worlds = [World(w, timeout=timeout, echo=False) for _, w, _, _ in cases]
+    worlds = [World(w, timeout=o.get("world_timeout", timeout), echo=False) for _, w, _, o in cases]
 
     def together(jobs) -> None:
         threads = [threading.Thread(target=job) for job in jobs]
@@ -318,7 +318,7 @@ def run_hangs(cases, timeout: float = 2.0, env: dict | None = None) -> list[dict
 
     def run(i: int) -> None:
         name, w, faulty, options = cases[i]
-        program = {k: v for k, v in options.items() if k != "env"}
+        program = {k: v for k, v in options.items() if k not in ("env", "world_timeout")}
         t0 = time.perf_counter()
         try:
             out[i] = {"finished": True, "values": worlds[i].run(hang_program, name, tuple(faulty), **program).values}

@@ -24,69 +24,51 @@ GALLERY_RANKS = {"order": 3, "skip": 2, "p2p": 2, "pipeline": 3, "group": 3, "sh
 
 @recordable("06.hang_gallery")
 def hang_gallery(timeout: float = 2.0, worlds: dict | None = None) -> dict:
-    """Each of the six cases with its bug on its default ranks (six worlds of 2 or 3 ranks,
-    :data:`GALLERY_RANKS`, started and run together), and then fixed (in one more world of 3, meanwhile).
-    {case: {"report": …, "faulty": [...], "fixed": {"finished": True, "values": …}}}."""
-    from .hangs import hang_program
-    W = 3
-    bugs = [(n, GALLERY_RANKS[n], default_faulty(n, GALLERY_RANKS[n]),
-             {"num_microbatches": 1} if n == "pipeline" else {}) for n in CASES]
-    fixed: dict = {}
+    """Each of the six cases with its bug on its default ranks: six worlds of 2 or 3 ranks (:data:`GALLERY_RANKS`)
+    started and run together, each rank with the flight recorder on; while they hang, the flight recorder of
+    "order" is dumped and ``py-spy dump`` reads the stacks of "pipeline"'s ranks.  Then each case fixed, on 2 ranks
+    (a kept world, ``worlds[2]``).  {case: {"report", "faulty", "fixed"}, "flight_recorder": {rank: entries},
+    "py_spy": {"dumps", "frames", "innermost"}}."""
+    import tempfile
 
-    def fixes() -> None:
-        with live_world(W, worlds) as w:
-            for name, _, _, options in bugs:
-                fixed[name] = {"finished": True, "values": w.run(hang_program, name, default_faulty(name, W),
-                                                                 fixed=True, **options).values}
-    thread = threading.Thread(target=fixes)
-    thread.start()
-    try:
-        out = run_hangs(bugs, timeout)
-    finally:
-        thread.join()
-    return {n: {"report": out[i], "faulty": list(bugs[i][2]), "fixed": fixed.get(n, {"finished": False})}
-            for i, n in enumerate(CASES)}
+    from . import tools
+    from .hangs import hang_program
+    spy: dict = {}
+    with tempfile.TemporaryDirectory(prefix="flight-recorder-") as fr_dir, \
+            tempfile.TemporaryDirectory(prefix="py-spy-") as pid_dir:
+        extra = {"order": {"flight_recorder_dir": fr_dir, "dump_after": 0.3, "world_timeout": timeout + 2},
+                 "pipeline": {"num_microbatches": 1, "pid_dir": pid_dir, "world_timeout": timeout + 3}}
+        bugs = [(n, GALLERY_RANKS[n], default_faulty(n, GALLERY_RANKS[n]),
+                 {**extra.get(n, {}), "env": tools.flight_recorder_env()}) for n in CASES]
+        # the pid files appear when the program starts, after every world has started: wait as long as that takes
+        watcher = threading.Thread(target=lambda: spy.update(tools.spy_on(pid_dir, GALLERY_RANKS["pipeline"],
+                                                                           limit=180.0)))
+        watcher.start()
+        try:
+            out = run_hangs(bugs, timeout)
+        finally:
+            watcher.join()
+        recorder = tools.read_flight_recorder(fr_dir, GALLERY_RANKS["order"])
+    fixed = {}
+    with live_world(2, worlds) as w:
+        for name in CASES:
+            fixed[name] = {"finished": True, "values": w.run(hang_program, name, default_faulty(name, 2), fixed=True,
+                                                             **({"num_microbatches": 1} if name == "pipeline"
+                                                                else {})).values}
+    gallery = {n: {"report": out[i], "faulty": list(bugs[i][2]), "fixed": fixed[n]} for i, n in enumerate(CASES)}
+    return {"cases": gallery, "flight_recorder": recorder, "py_spy": spy}
 
 
 @recordable("06.tools_gallery")
 def tools_gallery(timeout: float = 3.0) -> dict:
-    """PyTorch's own tools on the same hangs, run together: TORCH_DISTRIBUTED_DEBUG=DETAIL on "order" and
-    "shape", a 1-second process-group timeout on "skip", the flight recorder on "order" (2 ranks each), py-spy
-    on "pipeline" (3 stages).  Each entry is what :mod:`.tools` returns."""
-    from ..launch import World
+    """The other tools on the same hangs, run together on 2 ranks each: TORCH_DISTRIBUTED_DEBUG=DETAIL on
+    "order" and "shape", a 1-second process-group timeout on "skip" (:mod:`.tools`'s reports)."""
     from . import tools
-    from .hangs import _environment
-    sizes = {"detail_order": (2, timeout), "detail_shape": (2, timeout), "flight_recorder_order": (2, 4.0),
-             "timeout_skip": (2, 6.0), "py_spy_pipeline": (3, 4.0)}          # ranks, seconds before the report
-    worlds = {name: World(n, timeout=t, echo=False) for name, (n, t) in sizes.items()}
-
-    def together(jobs) -> None:
-        threads = [threading.Thread(target=job) for job in jobs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    # ranks read the environment when they start, and os.environ is one for every thread: DETAIL's worlds
-    # start first, then the others (the flight recorder's buffer is harmless in the timeout and py-spy worlds)
-    with _environment(**tools.DETAIL):
-        together([worlds[n].start for n in ("detail_order", "detail_shape")])
-    with _environment(**tools.flight_recorder_env()):
-        together([worlds[n].start for n in ("flight_recorder_order", "timeout_skip", "py_spy_pipeline")])
-    jobs = {"detail_order": lambda w: tools.detail_report("order", 2, world=w),
-            "detail_shape": lambda w: tools.detail_report("shape", 2, world=w),
-            "flight_recorder_order": lambda w: tools.flight_recorder("order", 2, world=w),
-            "timeout_skip": lambda w: tools.timeout_report("skip", 2, group_timeout=1.0, world=w),
-            "py_spy_pipeline": lambda w: tools.py_spy("pipeline", 3, world=w)}
-    out: dict = {}
-
-    def run(name: str) -> None:
-        out[name] = jobs[name](worlds[name])
-    try:
-        together([lambda n=n: run(n) for n in jobs])
-    finally:
-        for w in worlds.values():
-            w.close()
-    return out
+    cases = [("order", 2, default_faulty("order", 2), {"env": tools.DETAIL}),
+             ("shape", 2, default_faulty("shape", 2), {"env": tools.DETAIL}),
+             ("skip", 2, default_faulty("skip", 2), {"group_timeout": 1.0, "world_timeout": 6.0})]
+    out = run_hangs(cases, timeout)
+    return {"detail_order": out[0], "detail_shape": out[1], "timeout_skip": out[2]}
 
 
 def _plant_runs(name: str, world, steps: int):

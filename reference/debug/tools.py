@@ -33,8 +33,8 @@ import time
 
 from .hangs import _environment, default_faulty, hang_program, hang_report
 
-__all__ = ["detail_report", "timeout_report", "flight_recorder", "py_spy", "py_spy_path", "program_frame",
-           "start_world", "DETAIL", "flight_recorder_env"]
+__all__ = ["detail_report", "timeout_report", "flight_recorder", "read_flight_recorder", "py_spy", "spy_on",
+           "py_spy_path", "program_frame", "start_world", "DETAIL", "flight_recorder_env"]
 
 
 def start_world(world_size: int, *, timeout: float, env: dict | None = None):
@@ -85,28 +85,33 @@ def timeout_report(case: str, world_size: int, faulty=None, *, group_timeout: fl
     return _run(case, world_size, faulty, timeout=timeout, group_timeout=group_timeout, world=world)
 
 
+def read_flight_recorder(directory: str, world_size: int) -> dict:
+    """Each rank's entries in the dumps ``rank<r>.pkl`` of ``directory`` (None: no dump, the rank had finished
+    or died first): ``{"seq": collective sequence number, "op": "gloo:all_reduce", "state", "sizes", "group"}``."""
+    ranks = {}
+    for r in range(world_size):
+        path = os.path.join(directory, f"rank{r}.pkl")
+        if not os.path.exists(path):
+            ranks[r] = None
+            continue
+        with open(path, "rb") as f:
+            dump = pickle.load(f)
+        ranks[r] = [{"seq": e.get("collective_seq_id"), "p2p_seq": e.get("p2p_seq_id"), "op": e.get("profiling_name"),
+                     "state": e.get("state"), "sizes": e.get("input_sizes"),
+                     "group": (e.get("process_group") or [""])[0]} for e in dump.get("entries", [])]
+    return ranks
+
+
 def flight_recorder(case: str, world_size: int, faulty=None, *, entries: int = 64, dump_after: float = 0.3,
                     timeout: float = 4.0, world=None) -> dict:
-    """Each rank's flight-recorder entries while ``case`` hangs: ``{"report": …, "ranks": {r: [entry, …]}}``,
-    an entry ``{"seq": collective sequence number, "op": "gloo:all_reduce", "state": …, "sizes": input sizes}``.
-    The dump leaves out the entries' stack traces: symbolising them, while a collective is in flight,
-    took from 2.7 s to longer than the run.  PyTorch's analyser ``torchfrtrace`` (2.13) does not read these
-    gloo dumps: it stops on ``KeyError: ('0', 0)`` looking up the default group's description."""
+    """Each rank's flight-recorder entries while ``case`` hangs: ``{"report": …, "ranks": {r: [entry, …]}}``
+    (:func:`read_flight_recorder`).  The dump leaves out the entries' stack traces: symbolising them, while
+    a collective is in flight, took from 2.7 s to longer than the run.  PyTorch's analyser ``torchfrtrace``
+    (2.13) does not read these gloo dumps: it stops on ``KeyError: ('0', 0)`` looking up the default group."""
     with tempfile.TemporaryDirectory(prefix="flight-recorder-") as d:
         report = _run(case, world_size, faulty, timeout=timeout, env=flight_recorder_env(entries), world=world,
                       flight_recorder_dir=d, dump_after=dump_after)
-        ranks = {}
-        for r in range(world_size):
-            path = os.path.join(d, f"rank{r}.pkl")
-            if not os.path.exists(path):
-                ranks[r] = None                    # the rank had finished (or died) before its dump
-                continue
-            with open(path, "rb") as f:
-                dump = pickle.load(f)
-            ranks[r] = [{"seq": e.get("collective_seq_id"), "p2p_seq": e.get("p2p_seq_id"),
-                         "op": e.get("profiling_name"), "state": e.get("state"), "sizes": e.get("input_sizes"),
-                         "group": (e.get("process_group") or [""])[0]} for e in dump.get("entries", [])]
-    return {"report": report, "ranks": ranks}
+        return {"report": report, "ranks": read_flight_recorder(d, world_size)}
 
 
 def py_spy_path() -> str | None:
@@ -130,18 +135,41 @@ def _main_thread(dump: str) -> str:
     return block.group(1).rstrip() if block else dump.strip()
 
 
-def py_spy(case: str, world_size: int, faulty=None, *, wait: float = 0.5, timeout: float = 4.0, world=None) -> dict:
-    """``py-spy dump`` of every rank while ``case`` hangs, then the course's report.
-
-    Returns ``{"dumps": {r: py-spy's text}, "frames": {r: the program's line it is stuck on},
-    "innermost": {r: the innermost frame}, "report": …}``; ``{"error": why}`` without py-spy."""
+def spy_on(pid_dir: str, world_size: int, *, wait: float = 0.5, limit: float = 4.0) -> dict:
+    """``py-spy dump`` of every rank whose pid file (``rank<r>.pid``, :func:`.hangs.hang_program`'s
+    ``pid_dir``) appears within ``limit`` seconds, ``wait`` seconds after the last appeared: {"dumps": {r: the
+    main thread's stack}, "frames": {r: the program's line it is stuck on}, "innermost": {r: …}}, or
+    {"error": why} without py-spy."""
     exe = py_spy_path()
     if exe is None:
+        return {"error": "py-spy is not installed here (pip install py-spy)"}
+    out: dict = {"dumps": {}, "frames": {}, "innermost": {}}
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and len(os.listdir(pid_dir)) < world_size:
+        time.sleep(0.05)
+    time.sleep(wait)                                   # let every rank reach where it hangs
+    for r in range(world_size):
+        try:
+            pid = int(open(os.path.join(pid_dir, f"rank{r}.pid")).read())
+        except (OSError, ValueError):
+            continue
+        proc = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+        text = proc.stdout if proc.returncode == 0 else (proc.stderr or proc.stdout)
+        out["dumps"][r] = _main_thread(text)
+        out["frames"][r] = program_frame(text)
+        first = re.search(r"^\s+(\S+) \(([^)]*?):(\d+)\)", text, flags=re.M)
+        out["innermost"][r] = f"{first.group(1)} ({os.path.basename(first.group(2))}:{first.group(3)})" if first else ""
+    return out
+
+
+def py_spy(case: str, world_size: int, faulty=None, *, wait: float = 0.5, timeout: float = 4.0, world=None) -> dict:
+    """``py-spy dump`` of every rank while ``case`` hangs (:func:`spy_on`), then the course's report:
+    {"dumps", "frames", "innermost", "report"}; ``{"error": why}`` without py-spy."""
+    if py_spy_path() is None:
         return {"error": "py-spy is not installed here (pip install py-spy)"}
     from ..launch import WorldError
     faulty = tuple(default_faulty(case, world_size) if faulty is None else faulty)
     world = world if world is not None else start_world(world_size, timeout=timeout)
-    out: dict = {"dumps": {}, "frames": {}, "innermost": {}}
     with tempfile.TemporaryDirectory(prefix="py-spy-") as d:
         result: dict = {}
 
@@ -154,22 +182,7 @@ def py_spy(case: str, world_size: int, faulty=None, *, wait: float = 0.5, timeou
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         try:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and len(os.listdir(d)) < world_size:
-                time.sleep(0.05)
-            time.sleep(wait)                           # let every rank reach where it hangs
-            for r in range(world_size):
-                try:
-                    pid = int(open(os.path.join(d, f"rank{r}.pid")).read())
-                except (OSError, ValueError):
-                    continue
-                proc = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
-                text = proc.stdout if proc.returncode == 0 else (proc.stderr or proc.stdout)
-                out["dumps"][r] = _main_thread(text)
-                out["frames"][r] = program_frame(text)
-                first = re.search(r"^\s+(\S+) \(([^)]*?):(\d+)\)", text, flags=re.M)
-                out["innermost"][r] = f"{first.group(1)} ({os.path.basename(first.group(2))}:{first.group(3)})" \
-                    if first else ""
+            out = spy_on(d, world_size, wait=wait, limit=timeout)
         finally:
             thread.join()
             world.close()
