@@ -291,6 +291,10 @@ def _accumulate_case(ctx, W: int, m: int, *, batch: int, data_seed: int, min_len
     res = ctx.ranks(W, f"{H}:accumulate_per_rank", batch, seq_len, m, seed, data_seed, min_len, empty)
     for r, v in enumerate(res.values):
         loss = v.get("loss") if isinstance(v, dict) else None
+        if isinstance(loss, float) and loss != loss:
+            raise CheckFailed(f"[{words}] rank {r} returned the loss NaN: a micro-batch with no real token divides 0 "
+                              "by 0 in a mean (F.cross_entropy's default). Sum the per-token losses and divide by "
+                              "the real tokens of the WHOLE batch (at least 1).")
         for name, want in truth["grads"].items():
             got = v["grads"].get(name) if isinstance(v, dict) else None
             got = torch.zeros_like(want) if got is None and not want.any() else got
