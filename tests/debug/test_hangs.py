@@ -1,8 +1,10 @@
-"""Lecture 6's hangs: every case really hangs on real ranks, ends in a named error (the 2 s timeout's, or
-a rank's own) and leaves no process behind (the launcher's tests hold its ports); its fix finishes; the
+"""Lecture 6's hangs: every case really hangs on real ranks, ends in a named error (the timeout's, or a
+rank's own) and leaves no process behind (the launcher's tests hold its ports); its fix finishes; the
 course's report of each is diagnosed as the bug was planted (6.1's reference) — and the reports are the
 ones the grader hands out (the same cached run)."""
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -19,7 +21,7 @@ def _published():
     return tuple((n, w, f if n != "p2p" else tuple(range(w)), o) for n, w, f, o in cases)
 
 
-def test_every_case_hangs_for_real_and_ends_in_a_named_error_after_its_2_s_timeout_leaving_nothing(no_orphans):
+def test_every_case_hangs_for_real_and_ends_in_a_named_error_after_its_timeout_leaving_nothing(no_orphans):
     cases = _published()
     reports = hang_reports(cases)                                 # all worlds start and hang together
     for (name, w, faulty, options), report in zip(cases, reports):
@@ -28,7 +30,7 @@ def test_every_case_hangs_for_real_and_ends_in_a_named_error_after_its_2_s_timeo
             assert report["kind"] in ("exception", "died"), report["message"]
         else:
             assert report["kind"] == "timeout", report["message"]
-            assert "timeout after 2 s while running: ranks" in report["message"]
+            assert re.search(r"^timeout after [\d.]+ s while running: ranks", report["message"]), report["message"]
         named = [r for r, v in report["ranks"].items() if v["state"] not in ("finished", "peer gone")]
         assert named and all(f"rank {r}" in report["message"] for r in named), report["message"]
 
