@@ -86,11 +86,13 @@ def default_faulty(case: str, world_size: int) -> tuple[int, ...]:
 
 def _order(r: int, faulty, fixed: bool, n: int, group) -> dict:
     stats, config = torch.full((n,), float(r + 1)), torch.zeros(n)
+    W = comm.world_size(group)
+    root = comm.global_rank(group, min((q for q in range(W) if q not in faulty), default=0))   # a rank in order
     if fixed or r not in faulty:
         comm.all_reduce(stats, group=group, step=0)
-        comm.broadcast(config, comm.global_rank(group, 0), group=group, step=0)
+        comm.broadcast(config, root, group=group, step=0)
     else:                                         # BUG: this rank's branch broadcasts first
-        comm.broadcast(config, comm.global_rank(group, 0), group=group, step=0)
+        comm.broadcast(config, root, group=group, step=0)
         comm.all_reduce(stats, group=group, step=0)
     return {"sum": stats.tolist()}
 
