@@ -75,8 +75,8 @@ PLANTS = {p.name: p for p in (
           "the loss of step 0 matches; the gradient norm is about 1/m of one process's",
           (0, "grad", "tok_emb", "weight.grad", [0])),
     Plant("cp_causal_block", "cp", "ring attention's causal mask off by one block (its own block attended in full)",
-          dict(sizes={"cp": 2}), {"layer": 0}, "the loss is LOWER than one process's from step 0: the model "
-          "sees the future", (0, "forward", "blocks.0.attn.proj", "input", [0, 1])),
+          dict(sizes={"cp": 2}), {"layer": 0}, "the loss parts from one process's at step 0, then falls faster: "
+          "the model sees the future", (0, "forward", "blocks.0.attn.proj", "input", [0, 1])),
     Plant("moe_aux_ep", "ep", "the MoE balance loss divided by ep instead of dp", dict(sizes={"dp": 2},
           **{"num_experts": 4, "top_k": 2, "moe_every": 2}), {"layer": 1},
           "the loss of step 0 matches one process exactly (the value is right, only its gradient is scaled); the "
