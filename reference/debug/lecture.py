@@ -36,8 +36,8 @@ def hang_gallery(timeout: float = 2.0, worlds: dict | None = None) -> dict:
     spy: dict = {}
     with tempfile.TemporaryDirectory(prefix="flight-recorder-") as fr_dir, \
             tempfile.TemporaryDirectory(prefix="py-spy-") as pid_dir:
-        extra = {"order": {"flight_recorder_dir": fr_dir, "dump_after": 0.3, "world_timeout": timeout + 2},
-                 "pipeline": {"num_microbatches": 1, "pid_dir": pid_dir, "world_timeout": timeout + 3}}
+        extra = {"order": {"flight_recorder_dir": fr_dir, "dump_after": 0.3, "world_timeout": timeout + 1},
+                 "pipeline": {"num_microbatches": 1, "pid_dir": pid_dir, "world_timeout": timeout + 1.5}}
         bugs = [(n, GALLERY_RANKS[n], default_faulty(n, GALLERY_RANKS[n]),
                  {**extra.get(n, {}), "env": tools.flight_recorder_env()}) for n in CASES]
         # the pid files appear when the program starts, after every world has started: wait as long as that takes
