@@ -84,20 +84,20 @@ def default_faulty(case: str, world_size: int) -> tuple[int, ...]:
 # The programs (each a few lines: the bug is one line of it)
 
 
-def _order(r: int, faulty, fixed: bool, n: int, group) -> dict:
+def _order(r: int, faulty, fixed: bool, n: int, group, at: int = 0) -> dict:
     stats, config = torch.full((n,), float(r + 1)), torch.zeros(n)
     W = comm.world_size(group)
     root = comm.global_rank(group, min((q for q in range(W) if q not in faulty), default=0))   # a rank in order
     if fixed or r not in faulty:
-        comm.all_reduce(stats, group=group, step=0)
-        comm.broadcast(config, root, group=group, step=0)
+        comm.all_reduce(stats, group=group, step=at)
+        comm.broadcast(config, root, group=group, step=at)
     else:                                         # BUG: this rank's branch broadcasts first
-        comm.broadcast(config, root, group=group, step=0)
-        comm.all_reduce(stats, group=group, step=0)
+        comm.broadcast(config, root, group=group, step=at)
+        comm.all_reduce(stats, group=group, step=at)
     return {"sum": stats.tolist()}
 
 
-def _skip(r: int, faulty, fixed: bool, n: int, group, steps: int = 3, bad_step: int = 1) -> dict:
+def _skip(r: int, faulty, fixed: bool, n: int, group, steps: int = 3, bad_step: int = 1, at: int = 0) -> dict:
     losses = []
     for step in range(steps):
         loss = torch.full((n,), float(step + r))
@@ -105,29 +105,30 @@ def _skip(r: int, faulty, fixed: bool, n: int, group, steps: int = 3, bad_step: 
             loss[0] = float("nan")                # a bad batch on this rank only
         if fixed:                                 # decide together: every rank skips, or none
             bad = torch.tensor([float(not torch.isfinite(loss).all())])
-            comm.all_reduce(bad, group=group, step=step, what="skip_flag")
+            comm.all_reduce(bad, group=group, step=at + step, what="skip_flag")
             if bad.item() > 0:
                 continue
         elif not torch.isfinite(loss).all():
             continue                              # BUG: skips the all-reduce the others are in
-        comm.all_reduce(loss, group=group, step=step)
+        comm.all_reduce(loss, group=group, step=at + step)
         losses.append(loss[0].item())
     return {"losses": losses}
 
 
-def _p2p(r: int, faulty, fixed: bool, n: int, group) -> dict:
+def _p2p(r: int, faulty, fixed: bool, n: int, group, at: int = 0) -> dict:
     nxt, prv = comm.ring_peers(group)
     mine, theirs = torch.full((n,), float(r)), torch.empty(n)
     if fixed or r not in faulty:                  # send and receive posted together
-        comm.exchange([(mine, nxt)], [(theirs, prv)], group=group, step=0).wait()
+        comm.exchange([(mine, nxt)], [(theirs, prv)], group=group, step=at).wait()
     else:                                         # BUG: a blocking send first, on every rank of the ring
-        comm.send(mine, nxt, group=group, step=0)
-        comm.recv(theirs, prv, group=group, step=0)
+        comm.send(mine, nxt, group=group, step=at)
+        comm.recv(theirs, prv, group=group, step=at)
     return {"received": theirs.tolist()}
 
 
-def _pipeline(r: int, faulty, fixed: bool, n: int, group, num_microbatches: int = 1) -> dict:
-    """A hand-written 1F1B on p stages (stage = rank in ``group``), m = ``num_microbatches``."""
+def _pipeline(r: int, faulty, fixed: bool, n: int, group, num_microbatches: int = 1, at: int = 0) -> dict:
+    """A hand-written 1F1B on p stages (stage = rank in ``group``), m = ``num_microbatches``; messages are
+    labelled with their micro-batch's number counted from ``at``."""
     p, m = comm.world_size(group), num_microbatches
     prev, nxt = comm.global_rank(group, r - 1) if r else None, comm.global_rank(group, r + 1) if r < p - 1 else None
     warmup = p - 1 - r
@@ -136,14 +137,14 @@ def _pipeline(r: int, faulty, fixed: bool, n: int, group, num_microbatches: int 
     done = []
 
     def forward(i: int) -> None:
-        x = torch.full((n,), float(i)) if prev is None else comm.recv(torch.empty(n), prev, group=group, step=i)
+        x = torch.full((n,), float(i)) if prev is None else comm.recv(torch.empty(n), prev, group=group, step=at + i)
         if nxt is not None:
-            comm.send(x * 2, nxt, group=group, step=i)
+            comm.send(x * 2, nxt, group=group, step=at + i)
 
     def backward(i: int) -> None:
-        g = torch.ones(n) if nxt is None else comm.recv(torch.empty(n), nxt, group=group, step=i)
+        g = torch.ones(n) if nxt is None else comm.recv(torch.empty(n), nxt, group=group, step=at + i)
         if prev is not None:
-            comm.send(g, prev, group=group, step=i)
+            comm.send(g, prev, group=group, step=at + i)
         done.append(i)
 
     for i in range(warmup):
@@ -156,26 +157,26 @@ def _pipeline(r: int, faulty, fixed: bool, n: int, group, num_microbatches: int 
     return {"backward": done}
 
 
-def _group(r: int, faulty, fixed: bool, n: int, group) -> dict:
+def _group(r: int, faulty, fixed: bool, n: int, group, at: int = 0) -> dict:
     world = list(range(dist.get_world_size()))
     members = [q for q in world if q not in faulty]
     if fixed or r in members:                     # BUG: only the members create their group
         sub = dist.new_group(members)
         if r in members:
-            comm.all_reduce(torch.ones(n), group=sub, step=0)
+            comm.all_reduce(torch.ones(n), group=sub, step=at)
     everyone = dist.new_group(world)              # named by a counter: not the same group everywhere now
     t = torch.full((n,), float(r))
-    comm.all_reduce(t, group=everyone, step=1)
+    comm.all_reduce(t, group=everyone, step=at + 1)
     return {"sum": t.tolist()}
 
 
-def _shape(r: int, faulty, fixed: bool, n: int, group) -> dict:
+def _shape(r: int, faulty, fixed: bool, n: int, group, at: int = 0) -> dict:
     mine = torch.full((n + (r in faulty),), float(r))   # BUG: a faulty rank has one element more
     if fixed:                                     # agree on the longest first, then pad to it
-        sizes = comm.all_gather(torch.tensor([mine.numel()]), group=group, step=0, what="sizes")
+        sizes = comm.all_gather(torch.tensor([mine.numel()]), group=group, step=at, what="sizes")
         longest = int(torch.cat(sizes).max())
         mine = torch.cat([mine, mine.new_zeros(longest - mine.numel())])
-    parts = comm.all_gather(mine, group=group, step=1)
+    parts = comm.all_gather(mine, group=group, step=at + 1)
     return {"sizes": [t.numel() for t in parts]}
 
 
@@ -206,7 +207,8 @@ def hang_program(case: str, faulty=(), *, fixed: bool = False, size: int = 4, gr
     ``pid_dir``: each rank writes ``rank<r>.pid`` there first (for ``py-spy dump --pid``).
     ``flight_recorder_dir``: each rank dumps its flight recorder there after ``dump_after`` seconds
     (``TORCH_FR_BUFFER_SIZE`` must be set when the world starts).  ``options``: the case's own
-    (``steps``, ``bad_step`` for skip; ``num_microbatches`` for pipeline).
+    (``steps``, ``bad_step`` for skip; ``num_microbatches`` for pipeline), and ``at``: that many steps of
+    the run (one all-reduce each) go well first, the case's messages are labelled from step ``at`` on.
     """
     if case not in CASES:
         raise ValueError(f"unknown hang case {case!r}; the cases are {', '.join(CASES)}")
@@ -219,7 +221,10 @@ def hang_program(case: str, faulty=(), *, fixed: bool = False, size: int = 4, gr
     if flight_recorder_dir is not None:
         _dump_flight_recorder_after(dump_after, os.path.join(flight_recorder_dir, f"rank{r}.pkl"))
     group = comm.new_group(list(range(W)), timeout=group_timeout) if group_timeout else None
-    return _PROGRAMS[case](r, set(faulty), fixed, size, group, **options)
+    at = options.pop("at", 0)
+    for step in range(at):                        # the steps of the run before the one that hangs, all in step
+        comm.all_reduce(torch.ones(1), group=group, step=step, what="earlier_step")
+    return _PROGRAMS[case](r, set(faulty), fixed, size, group, at=at, **options)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -52,6 +52,6 @@ def test_the_given_step_submitted_unchanged_earns_nothing_and_is_told_it_is_the_
 
 
 def test_6_1_names_the_waiting_ranks_mistake(tmp_path, monkeypatch):
-    res = grade(tmp_path, monkeypatch, "waiting_ranks", ["6.1"], "skip")["6.1"]
+    res = grade(tmp_path, monkeypatch, "waiting_ranks", ["6.1"], "skip:")["6.1"]
     [check] = res.checks
     assert not check.passed and "FINISHED early" in check.message, check.message

@@ -42,17 +42,19 @@ ACCUMULATE = exercise("6.3", "Fix the given run: gradient accumulation over padd
 
 
 def hang_cases(seed: int, big: bool = False) -> tuple:
-    """One case of each kind (name, world size, ranks at fault, options), the faulty ranks drawn from
-    ``seed``; ``big``: four ranks where a case allows it (hidden checks)."""
+    """One case of each kind (name, world size, ranks at fault, options), drawn from ``seed``: the faulty
+    ranks, and the step of the run at which it hangs (``at``: 0-9 steps go well first); ``big``: four ranks
+    where a case allows it (hidden checks)."""
     rng = random.Random(seed)
     W = 4 if big else 3
     p, m = (4, rng.choice((1, 2))) if big else (3, 1)
-    return (("order", W, (rng.randrange(W),), {}),
-            ("skip", W, (rng.randrange(W),), {}),
-            ("p2p", rng.choice((2, 3)), (), {}),
-            ("pipeline", p, tuple(r for r in range(p) if p - 1 - r > m), {"num_microbatches": m}),
-            ("group", W, (rng.randrange(1, W),), {}),
-            ("shape", W, (rng.randrange(W),), {"detail": True}))
+    at = lambda: {"at": rng.randrange(10)}      # noqa: E731
+    return (("order", W, (rng.randrange(W),), at()),
+            ("skip", W, (rng.randrange(W),), at()),
+            ("p2p", rng.choice((2, 3)), (), at()),
+            ("pipeline", p, tuple(r for r in range(p) if p - 1 - r > m), {"num_microbatches": m, **at()}),
+            ("group", W, (rng.randrange(1, W),), at()),
+            ("shape", W, (rng.randrange(W),), {"detail": True, **at()}))
 
 
 def _reports(ctx, big: bool = False, kinds: tuple = ()) -> dict:
@@ -82,7 +84,7 @@ _RANK_HINTS = {
 
 def _diagnose_case(ctx, kind: str, report: dict) -> None:
     truth = report["truth"]
-    shown = {k: v for k, v in report.items() if k != "truth"}
+    shown = {k: v for k, v in report.items() if k in ("kind", "message", "world_size", "ranks")}
     got = ctx.local(f"{H}:diagnose_call", shown)
     if not isinstance(got, dict) or "kind" not in got or "ranks" not in got:
         raise CheckFailed(f"diagnose_hang must return {{'kind': …, 'ranks': […]}}; got {type(got).__name__}.")
@@ -100,15 +102,19 @@ def _diagnose_case(ctx, kind: str, report: dict) -> None:
                           f"({states}): {_RANK_HINTS[kind]}.")
 
 
-def _kind_check(kind: str, points: float = 1.0):
-    @DIAGNOSE.check(f"{kind}: {_SIGNS[kind].split(':')[0]} — the kind and the ranks at fault", points=points,
-                    timeout=90)
+def _kind_check(kinds: tuple, points: float = 1.0):
+    words = "; ".join(f"{k}: {_SIGNS[k].split(':')[0]}" for k in kinds)
+
+    @DIAGNOSE.check(f"{words} — the kind and the ranks at fault", points=points, timeout=90)
     def _(ctx):
-        _diagnose_case(ctx, kind, _reports(ctx)[kind])
+        reports = _reports(ctx)
+        for kind in kinds:
+            _diagnose_case(ctx, kind, reports[kind])
 
 
-for _kind in ("order", "skip", "p2p", "pipeline", "group", "shape"):
-    _kind_check(_kind)
+# "group" leaves the same report wherever it is planted (every rank "running"): it is graded beside "order"
+for _kinds, _points in ((("order", "group"), 2), (("skip",), 1), (("p2p",), 1), (("pipeline",), 1), (("shape",), 1)):
+    _kind_check(_kinds, _points)
 
 
 # ----------------------------------------------------------------------------------------------
