@@ -44,6 +44,8 @@ BENCHMARKS = [
     ("tensor_parallel", "TP MLP and attention vs DTensor", 600, 3600),
     ("pipeline", "GPipe and 1F1B vs torch.distributed.pipelining", 600, 3600),
     ("moe", "expert parallelism vs one process (and fairscale)", 900, 5400),
+    ("moe_frontier", "grouped GEMM vs the expert loop; the all-to-all hidden in two halves", 600, 1800),
+    ("moe_twin", "our MoE layer vs torchtitan's MoE (values, then speed)", 600, 1800),
     ("ring_attention", "ring attention vs SDPA (and ring-attention-pytorch)", 900, 5400),
 ]
 

@@ -28,7 +28,8 @@ from .trace import span
 
 __all__ = ["rank", "world_size", "ring_peers", "send", "recv", "exchange", "Pending", "all_reduce",
            "all_reduce_coalesced", "all_gather", "reduce_scatter", "all_reduce_async", "PendingCollective",
-           "reduce_scatter_tensor", "reduce_scatter_tensor_async", "all_gather_into_tensor", "ring_bytes",
+           "all_to_all_single_async", "reduce_scatter_tensor", "reduce_scatter_tensor_async",
+           "all_gather_into_tensor", "ring_bytes",
            "all_to_all_single", "all_to_all", "all_to_all_autograd", "broadcast", "barrier", "new_group",
            "release_groups", "forget_groups", "nbytes"]
 
@@ -387,6 +388,28 @@ def all_reduce_async(tensor: torch.Tensor, op=dist.ReduceOp.SUM, *, group=None, 
     return PendingCollective(work, tensor, "all_reduce", nbytes(tensor), step, meta, t_post)
 
 
+def all_to_all_single_async(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                            input_split_sizes: list[int] | None = None, *, group=None, step: int | None = None,
+                            **meta: Any) -> PendingCollective:
+    """Post :func:`all_to_all_single` and return at once; ``.wait()`` returns ``output`` (traced from the
+    post to the end of the wait, as one ``all_to_all`` event with the same meta)."""
+    import time
+    w = world_size(group)
+    splits = list(input_split_sizes) if input_split_sizes is not None else [input.shape[0] // w] * w
+    row = nbytes(input) // max(1, input.shape[0]) if input.dim() else nbytes(input)
+    meta.setdefault("send_splits", splits)
+    meta.setdefault("send_bytes", [s * row for s in splits])
+    t_post = time.perf_counter()
+    work = None
+    if dist.is_initialized():
+        with trace.quiet():
+            work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                          async_op=True)
+    else:
+        output.copy_(input)
+    return PendingCollective(work, output, "all_to_all", nbytes(input), step, meta, t_post)
+
+
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op, group, async_op: bool = False):
     """The library's reduce-scatter of a flat ``input`` into ``output``.  gloo's ``reduce_scatter_tensor``
     all-reduces the whole input inside and then copies this rank's chunk (its results are the all-reduce's
@@ -439,7 +462,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
             output.copy_(input)
         elif dist.get_backend(group) == "gloo" and output.is_contiguous() and output.numel() == w * input.numel():
             # gloo's list all_gather into views of ``output``: the same bytes moved, ~0.2 ms less than its
-            # all_gather_into_tensor for 3 MB per rank on 2 ranks (benchmarks/data_parallel.py)
+            # all_gather_into_tensor for 3 MB per rank on 2 ranks (the full course's benchmarks/data_parallel.py)
             dist.all_gather(list(output.view(-1).chunk(w)), input.contiguous().view(-1), group=group)
         else:
             (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(

@@ -10,6 +10,14 @@ the parallel layer a lecture teaches — same parameter names, same shapes::
             x = x + mlp(ln2(x))         MLP:       fc1 (d → d_ff), GELU, fc2 (d_ff → d)
                                         or MoE:    reference.moe.MoELayer over the B·S tokens
 
+MoE blocks as frontier models build them (DeepSeekMoE arXiv:2401.06066, DeepSeek-V3 arXiv:2412.19437):
+``expert_ffn`` (fine-grained experts narrower than d_ff), ``shared_experts`` (an FFN every token
+uses, ``shared_experts·expert_ffn`` wide), ``dense_layers`` (the first k blocks keep a dense MLP),
+``top_k`` up to 8, ``router`` "softmax" or "sigmoid", ``balance`` "aux" (Switch's loss ×
+aux_loss_coef), "seq_aux" (per sequence), "loss_free" (a per-expert bias stepped by
+``bias_update_rate`` after each optimizer step, :func:`train_single`) or "loss_free+seq_aux",
+and ``z_loss_coef`` (ST-MoE's router z-loss).
+
 ``qkv.weight`` rows are [Q; K; V], each ``heads·d_h`` rows with the heads contiguous (head h owns
 rows h·d_h … (h+1)·d_h − 1 of each third): a tensor-parallel split gives each rank whole heads by
 taking the same row block from each third.  ``fc1`` splits by rows (columns of the product) and
@@ -30,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .moe import MoELayer
+from .moe import BALANCES, MoELayer
+from .moe.routing import ROUTERS
 
 __all__ = ["GPTConfig", "Attention", "MLP", "MoEMLP", "Block", "TinyGPT", "corpus", "encode", "get_batch",
            "train_single", "batch_grads"]
@@ -90,15 +99,34 @@ class GPTConfig:
     top_k: int = 2
     moe_every: int = 2
     aux_loss_coef: float = 0.01
+    expert_ffn: int | None = None   # each expert's width (default d_ff)
+    shared_experts: int = 0
+    dense_layers: int = 0           # the first k blocks stay dense
+    router: str = "softmax"
+    balance: str = "aux"
+    bias_update_rate: float = 1e-3
+    z_loss_coef: float = 0.0
 
     def __post_init__(self):
         if self.d_model % self.heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by heads={self.heads}")
-        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
+        if self.num_experts and not 1 <= self.top_k <= min(8, self.num_experts):
+            raise ValueError(f"top_k={self.top_k} must be between 1 and min(8, num_experts={self.num_experts})")
+        if self.router not in ROUTERS or self.balance not in BALANCES:
+            raise ValueError(f"router must be one of {ROUTERS} and balance one of {BALANCES}; "
+                             f"got {self.router!r}, {self.balance!r}")
+        if (self.expert_ffn is not None and self.expert_ffn < 1) or self.shared_experts < 0 or self.dense_layers < 0:
+            raise ValueError(f"expert_ffn must be >= 1, shared_experts and dense_layers >= 0; got {self.expert_ffn}, "
+                             f"{self.shared_experts}, {self.dense_layers}")
+
+    @property
+    def expert_width(self) -> int:
+        """Each routed expert's hidden width: ``expert_ffn``, or d_ff."""
+        return self.d_ff if self.expert_ffn is None else self.expert_ffn
 
     def is_moe(self, layer: int) -> bool:
-        return self.num_experts > 0 and layer % self.moe_every == self.moe_every - 1
+        return (self.num_experts > 0 and layer >= self.dense_layers
+                and layer % self.moe_every == self.moe_every - 1)
 
 
 class Attention(nn.Module):
@@ -141,18 +169,20 @@ class MoEMLP(nn.Module):
     """A dropless MoE layer (reference.moe.MoELayer) over the B·S tokens of the batch.
 
     Dropless, so a token's output does not depend on which other tokens share its routing group;
-    the load-balancing loss does (it is a mean over the group) and is kept in ``self.aux_loss``.
+    the balance loss does (it is a mean over the group, or over each sequence) and is kept in
+    ``self.aux_loss``, the router z-loss in ``self.z_loss``.
     """
 
-    def __init__(self, d_model: int, d_ff: int, num_experts: int, k: int):
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, k: int, **options):
         super().__init__()
-        self.moe = MoELayer(d_model, d_ff, num_experts, k=k, dropless=True)
-        self.aux_loss = torch.zeros(())
+        self.moe = MoELayer(d_model, d_ff, num_experts, k=k, dropless=True, **options)
+        self.aux_loss = self.z_loss = torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, d = x.shape
-        y, stats = self.moe(x.reshape(B * S, d))
-        self.aux_loss = stats["aux_loss"]
+        sequence = torch.arange(B, device=x.device).repeat_interleave(S)
+        y, stats = self.moe(x.reshape(B * S, d), sequence, B)
+        self.aux_loss, self.z_loss = stats["aux_loss"], stats["z_loss"]
         return y.view(B, S, d)
 
 
@@ -162,7 +192,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg.d_model, cfg.heads)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = (MoEMLP(cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k) if cfg.is_moe(layer)
+        self.mlp = (MoEMLP(cfg.d_model, cfg.expert_width, cfg.num_experts, cfg.top_k, router=cfg.router,
+                           shared_experts=cfg.shared_experts, balance=cfg.balance,
+                           bias_update_rate=cfg.bias_update_rate) if cfg.is_moe(layer)
                     else MLP(cfg.d_model, cfg.d_ff))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,11 +224,23 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy, plus aux_loss_coef × the mean aux loss of the MoE layers."""
+        """Mean next-token cross-entropy, plus aux_loss_coef × the mean balance loss of the MoE layers
+        (and z_loss_coef × their mean z-loss, if not 0)."""
         logits = self(idx)
         lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        moe = [b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, MoEMLP)]
-        return lm + self.cfg.aux_loss_coef * torch.stack(moe).mean() if moe else lm
+        moe = [b.mlp for b in self.blocks if isinstance(b.mlp, MoEMLP)]
+        if not moe:
+            return lm
+        loss = lm + self.cfg.aux_loss_coef * torch.stack([m.aux_loss for m in moe]).mean()
+        if self.cfg.z_loss_coef:
+            loss = loss + self.cfg.z_loss_coef * torch.stack([m.z_loss for m in moe]).mean()
+        return loss
+
+    def update_expert_biases(self) -> None:
+        """After each optimizer step: every MoE layer's loss-free bias step (nothing for other balances)."""
+        for b in self.blocks:
+            if isinstance(b.mlp, MoEMLP):
+                b.mlp.moe.update_bias()
 
 
 # ---------------------------------------------------------------------------------- training
@@ -246,6 +290,7 @@ def train_single(steps: int, *, batch_size: int = 4, lr: float = 3e-3, seed: int
             if grad_norms is not None:
                 grad_norms.append(float(norm))
         opt.step()
+        model.update_expert_biases()                  # loss-free balancing: the loads of this step
 
     losses = []
     for step in range(start_step, steps):

@@ -22,9 +22,12 @@ the ranks and says what happened:
 
 ``world_size < 1`` or a function the ranks cannot import raise ``ValueError`` before anything
 starts.  Worker functions must live in an importable module (a ``.py`` file), not a notebook cell:
-each rank is a fresh Python process that imports the function by name.
+each rank is a separate Python process that imports the function by name.
 
-Design notes.  Ranks are ``multiprocessing`` spawn children.  The parent owns the rendezvous
+Design notes.  Ranks are forked from a zygote that imported torch once (:mod:`reference.zygote`;
+the first world of a process waits for that import, later ones start in a fraction of a second),
+else started as fresh interpreters.  A kept-alive world whose ranks imported a file that changed
+since starts afresh before its next run (:mod:`reference.sources`).  The parent owns the rendezvous
 ``TCPStore`` on an OS-chosen free port, so two worlds never collide and the port is released
 when the world closes.  Parent and rank talk over one pipe per rank (pickled bytes); each rank's
 file descriptors 1 and 2 are redirected into that pipe, so even C-level output is forwarded and
@@ -47,7 +50,9 @@ from dataclasses import dataclass
 from multiprocessing import connection as mpc
 from typing import Any
 
+from . import sources as _sources
 from . import trace as _trace
+from . import zygote as _zygote
 from .rank_program import START_TIMEOUT, _main_path, keep_freed_memory
 
 __all__ = ["run_world", "World", "WorldError", "WorldResult", "RankFailure"]
@@ -134,10 +139,6 @@ def _check_callable(fn: Callable) -> None:
         raise ValueError(f"the ranks cannot receive {fn!r}: it does not pickle ({e})") from e
 
 
-
-
-
-
 def _dumps_args(args: tuple, kwargs: dict) -> bytes:
     try:
         return pickle.dumps((args, kwargs))
@@ -160,7 +161,8 @@ class World:
     keep_freed_memory:  ranks keep freed memory for the next step (:func:`reference.rank_program.keep_freed_memory`);
               False leaves glibc's defaults, under which a resident-memory peak measures what a step allocates
 
-    After a failure the ranks are stopped; the next :meth:`run` starts fresh ones.
+    After a failure the ranks are stopped; the next :meth:`run` starts fresh ones.  So it does when a
+    file the ranks imported has changed since (the next run imports the edit).
     """
 
     def __init__(self, world_size: int, *, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
@@ -184,6 +186,7 @@ class World:
         self._store = None
         self.port: int | None = None
         self.start_seconds: float | None = None
+        self._sources: dict[str, tuple[int, int]] = {}   # files the ranks imported, (mtime_ns, size) then
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -230,6 +233,8 @@ class World:
         if not self.keep_freed_memory:               # glibc's defaults, for measuring peak resident memory:
             env["COURSE_KEEP_FREED_MEMORY"] = "0"    # large blocks mapped on their own and unmapped when freed
             env["MALLOC_MMAP_THRESHOLD_"] = str(64 << 10)
+        if self.echo and self._forks_ranks(env):
+            _zygote.announce(self.world_size)        # the first world of a process waits for torch's import
         for rank in range(self.world_size):
             parent_sock, child_sock = socket.socketpair()
             p = self._spawn_rank(rank, child_sock.fileno(), cfg, env)
@@ -248,15 +253,39 @@ class World:
 
         Returns an object with the ``subprocess.Popen`` interface (poll, wait, kill, pid).  A
         subclass may start ranks another way (the grader forks them from a preloaded process).
+        By default a rank is forked from the zygote (:mod:`reference.zygote`, torch imported once)
+        when :meth:`_forks_ranks` says so, else started as a fresh interpreter.
         """
+        if self._forks_ranks(env):
+            try:
+                return _zygote.fork_rank(rank, fd, cfg, env, START_TIMEOUT)
+            except _zygote.ZygoteUnavailable:
+                pass                                 # a fresh interpreter, as below: slower, never worse
         return subprocess.Popen(
             [sys.executable, "-c", f"from reference.rank_program import _rank_main; _rank_main({rank}, {fd}, {cfg!r})"],
             pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL, close_fds=True)
+
+    def _restart_if_sources_changed(self) -> None:
+        """Ranks import a module once; if a file they imported changed since (the learner fixed their
+        exercise, :mod:`reference.sources`), stop them: this run starts fresh ranks, which import the edit."""
+        edited = _sources.changed(self._sources)
+        if edited and self.alive and self.echo:
+            print(f"({_sources.describe(edited)} changed since these ranks imported it: starting them afresh)",
+                  flush=True)
+        if edited:
+            self.close()
+
+    def _forks_ranks(self, env: dict) -> bool:
+        """Fast start: fork the ranks from the zygote — gloo on Linux; not with glibc's moving allocator
+        defaults asked for alone (a forked rank inherits the zygote's, a fresh one starts clean)."""
+        return (_zygote.available() and self.backend == "gloo"
+                and (env.get("COURSE_KEEP_FREED_MEMORY", "1") != "0" or "MALLOC_MMAP_THRESHOLD_" in env))
 
     def close(self) -> None:
         """Stop the ranks (politely, then by force) and release the port."""
         procs, conns = self._procs, self._conns
         self._procs, self._conns, self._status = [], [], []
+        self._sources = {}
         for c in conns:
             try:
                 c.send_bytes(pickle.dumps(("stop",)))
@@ -298,6 +327,7 @@ class World:
         timeout = self.timeout if timeout is None else float(timeout)
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
+        self._restart_if_sources_changed()
         self.start()
         t0 = time.perf_counter()
         task = pickle.dumps(("run", pickle.dumps(fn), payload, self.record, _main_path(fn)))
@@ -343,6 +373,8 @@ class World:
                 if self.echo:
                     sys.stdout.write(lines)
                     sys.stdout.flush()
+            elif kind == "sources":
+                self._sources.update(msg[1])
             elif kind == "error":
                 _, exc_type, message, tb, evs = msg
                 events.extend(evs)

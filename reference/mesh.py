@@ -28,25 +28,38 @@ parallelism passes K/V blocks every layer; data parallelism all-reduces gradient
 (and can overlap them with the backward); pipeline parallelism sends one activation per
 micro-batch per stage boundary.  Chattiest innermost, quietest outermost: tp, cp, dp, pp.
 
-Experts: the expert grid tp-ep-edp-pp, carved out of the data × context ranks
------------------------------------------------------------------------------
-MoE layers have no context split and use another factorisation of the same ranks ("parallel
-folding"): inside each pipeline stage and tensor slice, the ``dp·cp`` ranks are split into
-expert-parallel groups of ``ep`` consecutive ones (the all-to-all, inside) and expert-data-parallel
-groups of ``edp = dp·cp/ep`` ranks across them (the expert-gradient all-reduce)::
+Experts: the expert grid etp-ep-edp-pp, folded over the tensor × context × data ranks
+----------------------------------------------------------------------------------------
+MoE layers use another factorisation of the SAME ranks ("MoE parallel folding", Megatron-Core,
+arXiv:2504.14960): inside each pipeline stage, the ``tp·cp·dp`` ranks are laid out again as
 
-    rank = tp_rank + tp·(ep_rank + ep·(edp_rank + edp·pp_rank))
+    rank = etp_rank + etp·(ep_rank + ep·(edp_rank + edp·pp_rank))      etp · ep · edp = tp · cp · dp
 
-Both grids have the same pipeline groups (the same layers live on the same ranks), and the
-experts keep the dense tensor size (Megatron's default, expert_tensor_parallel_size = tp).
-Dense gradients are averaged over ``dp_cp`` (every rank that holds the same dense shard: the
-context-parallel ranks too — they saw different tokens of the same sequences).
+* ``etp`` — expert-tensor size: each expert's fc1/fc2 cut over etp neighbouring ranks (default:
+  ``etp = tp``, the dense layers' cut, and today's grids);
+* ``ep`` — the expert-parallel group: the dispatch/combine all-to-all, over ep ranks ``etp`` apart;
+* ``edp = tp·cp·dp / (etp·ep)`` — the ranks holding the same expert shard (their gradient all-reduce).
+
+Why fold.  With ``etp = tp`` the ep group is carved out of the dp × cp ranks, which sit ``tp``
+apart: with tp = 8 on 8-device nodes every all-to-all crosses ep nodes.  With ``etp = 1`` the ep
+group takes neighbouring ranks — ep up to ``tp·cp·dp`` (DeepSeek-V3: EP 64 over TP 2 × DP 32), and
+with ep ≤ devices per node the all-to-all never leaves the node.  64 ranks, tp = 8, dp = 8::
+
+    unfolded (etp = 8, ep = 8):  ep group of rank 0 = {0, 8, 16, …, 56}   8 nodes, every token crosses
+    folded   (etp = 1, ep = 8):  ep group of rank 0 = {0, 1, 2, …, 7}     one node
+                                 edp group of rank 0 = {0, 8, 16, …, 56}  (the expert-gradient all-reduce)
+
+Both grids have the same pipeline groups (the same layers live on the same ranks; asserted, as
+Megatron-Core's ``RankGenerator`` users assert it).  Dense gradients are averaged over ``dp_cp``
+(every rank that holds the same dense shard: the context-parallel ranks too — they saw different
+tokens of the same sequences); expert gradients are summed over ``edp`` (lecture 5b).
 
 Who else does what
 ------------------
 * Megatron-Core (``parallel_state.RankGenerator``, default order ``"tp-cp-ep-dp-pp"``) builds the
-  dense grid with ep=1 and the expert grid with cp=1 and asserts their pipeline groups are equal;
-  this module follows it: same order, same folding.
+  dense grid with ep=1 and the expert grid with tp=expert_tensor_parallel_size, cp=1, and
+  dp=expert data parallel size, and asserts their pipeline groups are equal; this module follows
+  it: same order, same folding (the full course's ``tests/test_mesh.py`` holds its group lists against ours).
 * picotron builds ``torch.arange(world).view(dp, pp, cp, tp)``: tensor innermost too, but data
   *outermost* and pipeline inside it.  Both keep tp on a node; they differ on which of the two
   inter-node axes gets the nearer ranks.
@@ -62,7 +75,7 @@ without a running world.  :meth:`RankGrid.group` then creates them through
 :func:`reference.comm.new_group`, so they get the launched world's timeout.
 
 Words, as torchtitan uses them: an *axis* is a dimension of the rank grid (tp, cp, dp, pp, ep,
-edp; their group sizes are the grid's *degrees*, passed as ``RankGrid(world, dp=…, tp=…)`` or a
+etp, edp; their group sizes are the grid's *degrees*, passed as ``RankGrid(world, dp=…, tp=…)`` or a
 ``sizes`` dict); a *dim* is a dimension of a tensor.  Drawing the grid is the notebook's job
 (``reference.notebook.plots.grid_text`` and ``grid_plot``).
 """
@@ -75,17 +88,19 @@ import numpy as np
 __all__ = ["RankGrid", "AxisGroups", "AXES", "DENSE_ORDER", "EXPERT_ORDER", "rank_groups"]
 
 DENSE_ORDER = ("tp", "cp", "dp", "pp")      # fastest-varying first
-EXPERT_ORDER = ("tp", "ep", "edp", "pp")
-AXES = ("tp", "cp", "dp", "pp", "ep", "edp", "dp_cp")
+EXPERT_ORDER = ("etp", "ep", "edp", "pp")
+AXES = ("tp", "cp", "dp", "pp", "etp", "ep", "edp", "dp_cp", "tp_dp_cp")
 
 _DESCRIPTIONS = {
     "tp": "tensor parallel: all-reduce of activations inside each layer",
     "cp": "context parallel: K/V ring (or all-to-all) inside attention",
     "dp": "data parallel: gradient all-reduce of dense parameters (without cp)",
     "pp": "pipeline parallel: activations to the next stage",
+    "etp": "expert tensor parallel: all-reduce of activations inside each expert",
     "ep": "expert parallel: dispatch/combine all-to-all in MoE layers",
     "edp": "expert data parallel: gradient all-reduce of experts",
     "dp_cp": "dense gradient all-reduce: data × context ranks",
+    "tp_dp_cp": "every rank of a pipeline stage: the tokens a folded MoE layer routes (etp ≠ tp)",
 }
 
 
@@ -126,48 +141,55 @@ def rank_groups(sizes: dict[str, int], order: Sequence[str], axis: str | Sequenc
 class RankGrid:
     """The rank grid of a composed run.
 
-    RankGrid(world_size, *, dp=1, tp=1, pp=1, cp=1, ep=1, rank=None)
+    RankGrid(world_size, *, dp=1, tp=1, pp=1, cp=1, ep=1, etp=None, rank=None)
 
-    Requires ``tp·cp·dp·pp == world_size`` and ``ep`` dividing ``dp·cp`` (else ``ValueError``
-    naming the sizes).  ``rank`` is the rank whose groups :meth:`ranks` and :meth:`coords`
-    describe by default; inside a world it defaults to this process's rank.
+    Requires ``tp·cp·dp·pp == world_size`` and ``etp·ep`` dividing ``tp·cp·dp`` (``etp`` defaults to
+    ``tp``), else ``ValueError`` naming the sizes.  ``rank`` is the rank whose groups :meth:`ranks`
+    and :meth:`coords` describe by default; inside a world it defaults to this process's rank.
 
-    Axes: ``"tp"``, ``"cp"``, ``"dp"``, ``"pp"`` (dense grid), ``"ep"``, ``"edp"`` (expert grid),
-    and ``"dp_cp"`` (the dp × cp ranks over which dense gradients are averaged).
+    Axes: ``"tp"``, ``"cp"``, ``"dp"``, ``"pp"`` (dense grid), ``"etp"``, ``"ep"``, ``"edp"`` (expert
+    grid, with the same ``"pp"``), ``"dp_cp"`` (the dp × cp ranks over which dense gradients are
+    averaged) and ``"tp_dp_cp"`` (all the ranks of one pipeline stage).
     """
 
     def __init__(self, world_size: int, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                 rank: int | None = None):
-        sizes = dict(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+                 etp: int | None = None, rank: int | None = None):
+        sizes = dict(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=tp if etp is None else etp)
         bad = {k: v for k, v in sizes.items() if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1}
         if bad or not isinstance(world_size, (int, np.integer)) or world_size < 1:
             raise ValueError(f"RankGrid sizes must be positive integers, got world_size={world_size!r}, "
                              + ", ".join(f"{k}={v!r}" for k, v in sizes.items()))
+        etp = sizes["etp"]
         if tp * cp * dp * pp != world_size:
             raise ValueError(f"RankGrid: tp·cp·dp·pp = {tp}·{cp}·{dp}·{pp} = {tp * cp * dp * pp} "
                              f"but world_size = {world_size}")
-        if (dp * cp) % ep:
-            raise ValueError(f"RankGrid: ep={ep} must divide dp·cp = {dp}·{cp} = {dp * cp} "
-                             "(the expert grid is carved out of the data × context ranks)")
+        if (tp * cp * dp) % (etp * ep):
+            raise ValueError(f"RankGrid: etp·ep = {etp}·{ep} = {etp * ep} must divide tp·cp·dp = {tp}·{cp}·{dp} = "
+                             f"{tp * cp * dp} (the expert grid etp × ep × edp folds the same ranks of each stage)")
         if rank is not None and not 0 <= rank < world_size:
             raise ValueError(f"RankGrid: rank={rank} is outside 0..{world_size - 1}")
         self.world_size = int(world_size)
         self.tp, self.cp, self.dp, self.pp, self.ep = int(tp), int(cp), int(dp), int(pp), int(ep)
-        self.edp = self.dp * self.cp // self.ep
+        self.etp = int(etp)
+        self.edp = self.tp * self.cp * self.dp // (self.etp * self.ep)
         self.rank = rank
         self._groups: dict[str, tuple[list[int], list]] = {}   # axis -> (this rank's ranks, its group)
         # ranks laid out as arrays whose LAST axis varies fastest (C order): [pp, dp, cp, tp] etc.
         ids = np.arange(self.world_size)
         self._dense = ids.reshape(self.pp, self.dp, self.cp, self.tp)
-        self._expert = ids.reshape(self.pp, self.edp, self.ep, self.tp)
+        self._expert = ids.reshape(self.pp, self.edp, self.ep, self.etp)
+        # Both grids must put the same layers on the same ranks (Megatron-Core asserts the same).
+        dense_pp = self._dense.reshape(self.pp, -1).T.tolist()
+        expert_pp = self._expert.reshape(self.pp, -1).T.tolist()
+        assert dense_pp == expert_pp, "the dense and expert grids must share their pipeline groups"
 
     # ------------------------------------------------------------------ sizes and coordinates
 
     @property
     def sizes(self) -> dict[str, int]:
         """Group size of every axis."""
-        return dict(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep, edp=self.edp,
-                    dp_cp=self.dp * self.cp)
+        return dict(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, etp=self.etp, ep=self.ep, edp=self.edp,
+                    dp_cp=self.dp * self.cp, tp_dp_cp=self.tp * self.dp * self.cp)
 
     def _rank(self, rank: int | None) -> int:
         if rank is None:
@@ -183,11 +205,12 @@ class RankGrid:
         return int(rank)
 
     def coords(self, rank: int | None = None) -> dict[str, int]:
-        """This rank's coordinate on every axis, e.g. ``{"tp": 1, "cp": 0, "dp": 1, "pp": 0, "ep": 1, "edp": 0}``."""
+        """This rank's coordinate on every axis, e.g.
+        ``{"tp": 1, "cp": 0, "dp": 1, "pp": 0, "etp": 1, "ep": 1, "edp": 0}``."""
         r = self._rank(rank)
         pp, dp, cp, tp = (int(i) for i in np.unravel_index(r, self._dense.shape))
-        _, edp, ep, _ = (int(i) for i in np.unravel_index(r, self._expert.shape))
-        return dict(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, edp=edp)
+        _, edp, ep, etp = (int(i) for i in np.unravel_index(r, self._expert.shape))
+        return dict(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, edp=edp, etp=etp)
 
     def rank_of(self, *, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """The global rank at dense coordinates (tp, cp, dp, pp)."""
@@ -209,13 +232,15 @@ class RankGrid:
 
     def _layout(self, axis: str) -> tuple[np.ndarray, tuple[int, ...]]:
         dense = {"pp": 0, "dp": 1, "cp": 2, "tp": 3}
-        expert = {"edp": 1, "ep": 2}
+        expert = {"edp": 1, "ep": 2, "etp": 3}
         if axis in dense:
             return self._dense, (dense[axis],)
         if axis in expert:
             return self._expert, (expert[axis],)
         if axis == "dp_cp":
             return self._dense, (1, 2)
+        if axis == "tp_dp_cp":
+            return self._dense, (1, 2, 3)
         raise ValueError(f"RankGrid: unknown axis {axis!r}; choose one of {', '.join(AXES)}")
 
     def ranks(self, axis: str, rank: int | None = None) -> list[int]:
@@ -264,7 +289,7 @@ class RankGrid:
         return self._groups[axis][1]
 
     def __repr__(self) -> str:
-        extra = f", ep={self.ep}" if self.ep > 1 else ""
+        extra = (f", ep={self.ep}" if self.ep > 1 else "") + (f", etp={self.etp}" if self.etp != self.tp else "")
         r = f", rank={self.rank}" if self.rank is not None else ""
         return f"RankGrid({self.world_size}, tp={self.tp}, cp={self.cp}, dp={self.dp}, pp={self.pp}{extra}{r})"
 

@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable
 from multiprocessing import connection as mpc
 
+from . import sources as _sources
 from . import trace as _trace
 
 START_TIMEOUT = 120.0       # seconds ranks may take to import torch and rendezvous
@@ -108,6 +109,19 @@ def keep_freed_memory() -> bool:
         return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
     except (OSError, AttributeError):
         return False
+
+
+def malloc_settings_from_environment() -> None:
+    """What glibc reads from the environment when a process starts (``MALLOC_MMAP_THRESHOLD_``, and the
+    trim threshold beside it), set through ``mallopt`` now: a rank forked from the zygote
+    (:mod:`reference.zygote`) inherits the zygote's allocator, not its own start.  A fixed mmap threshold
+    also fixes glibc's trim threshold, at 128 KiB unless ``MALLOC_TRIM_THRESHOLD_`` says otherwise."""
+    mmap = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    if mmap is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(M_MMAP_THRESHOLD, int(mmap))
+    libc.mallopt(M_TRIM_THRESHOLD, int(os.environ.get("MALLOC_TRIM_THRESHOLD_", 128 << 10)))
 
 
 def _die_with_parent(use_pdeathsig: bool) -> None:
@@ -273,6 +287,14 @@ def _load_main(path: str | None) -> None:
     sys.modules["__main__"] = sys.modules["__mp_main__"] = module
 
 
+def _report_sources(link: _Link, seen: set[str]) -> None:
+    """Tell the parent which source files this task imported (:mod:`reference.sources`): a kept-alive
+    world whose ranks imported a file that changed since starts afresh, so that it runs the edit."""
+    found = _sources.imported_since(seen)
+    if found:
+        link.send(("sources", found))
+
+
 def _rank_main(rank: int, fd: int, cfg: dict) -> None:
     """Entry point of one rank process (started by :meth:`World.start`)."""
     _die_with_parent(cfg["pdeathsig"])
@@ -305,6 +327,7 @@ def _rank_main(rank: int, fd: int, cfg: dict) -> None:
     fwd.sync()
     link.send(("ready",))
     from . import comm as _comm                 # (imports torch: after the rank reported its own start)
+    seen: set[str] = set()                      # modules whose source files were reported (_report_sources)
 
     while True:
         try:
@@ -328,11 +351,13 @@ def _rank_main(rank: int, fd: int, cfg: dict) -> None:
             except Exception as e:
                 raise TypeError(f"rank {rank} returned a value that cannot be sent back to the "
                                 f"caller ({type(value).__name__}): {e}") from e
+            _report_sources(link, seen)
             fwd.sync()
             with link.lock:
                 conn.send_bytes(data)
         except BaseException as e:  # SystemExit and KeyboardInterrupt too: report, keep serving
             events = list(_trace.stop()) if record else []
+            _report_sources(link, seen)
             fwd.sync()
             tb = traceback.format_exc()
             try:

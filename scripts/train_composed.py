@@ -7,10 +7,16 @@
     torchrun --standalone --nproc-per-node 4 scripts/train_composed.py --tp 2 --cp 2 --clip-grad-norm 0.5
     torchrun --standalone --nproc-per-node 4 scripts/train_composed.py --tp 2 --sp --dp 2 --recompute selective
     torchrun --standalone --nproc-per-node 8 scripts/train_composed.py --dp 2 --tp 2 --pp 2 --ep 2 --experts 4
+    torchrun --standalone --nproc-per-node 4 scripts/train_composed.py --tp 2 --dp 2 --ep 4 --etp 1 --experts 8 \
+        --top-k 4 --expert-ffn 16 --shared-experts 1 --dense-layers 1 --router sigmoid --balance loss_free
     python scripts/train_composed.py --single --steps 5          # the single-process ground truth
     python scripts/train_composed.py --single --pp 2 --dp 2 --experts 4   # its truth (aux per micro-batch)
 
-The product tp·cp·dp·pp must equal the number of processes (ep is carved out of dp·cp).  gloo on
+The product tp·cp·dp·pp must equal the number of processes.  The expert grid folds the same ranks of each
+stage as etp·ep·edp (``--etp``, default tp: ep carved out of dp·cp; ``--etp 1``: experts whole, ep up to
+tp·cp·dp, e.g. DeepSeek-V3's EP 64 over TP 2 × DP 32).  Frontier MoE layers: ``--expert-ffn`` (fine-grained
+experts), ``--shared-experts``, ``--dense-layers`` (the first k blocks dense), ``--top-k`` up to 8,
+``--router sigmoid``, ``--balance aux|seq_aux|loss_free|loss_free+seq_aux`` and ``--z-loss-coef``.  gloo on
 CPU, nccl when CUDA is available (``--backend`` to choose); the process group is initialised from
 the environment torchrun sets (env://) with ``--timeout`` seconds, and every subgroup gets the same
 timeout.  Rank 0 prints ``step <i> loss <value>`` per step (17 significant digits: the losses
@@ -38,7 +44,7 @@ the last; ``--resume`` continues from the newest complete one (fresh when there 
 grid, or ``--single``: rank 0 prints ``resumed from DIR/step_<n>`` and the steps continue from n.
 With ``torchrun --max-restarts K --resume`` a run whose rank dies restarts from its last checkpoint.
 (Test hook, not a feature: ``COURSE_TEST_KILL_AFTER_STEP=r:i`` makes global rank r SIGKILL itself after
-step i on torchrun's first attempt; tests/compose/test_checkpoint.py uses it.)
+step i on torchrun's first attempt; the full course's tests/compose/test_checkpoint.py uses it.)
 """
 from __future__ import annotations
 
@@ -57,6 +63,7 @@ def parse(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for axis in ("tp", "cp", "dp", "pp", "ep"):
         p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size (default 1)")
+    p.add_argument("--etp", type=int, default=None, help="expert-tensor size: tp (default) or 1 (folded)")
     p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism inside the tp groups")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage over the dp·cp ranks (default 0)")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule (pp > 1): 1f1b, gpipe or zb_h1")
@@ -76,6 +83,16 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--experts", type=int, default=0, help="MoE experts (every 2nd block); 0 = dense")
     p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--moe-every", type=int, default=2, help="every n-th block is MoE (default 2)")
+    p.add_argument("--expert-ffn", type=int, default=None, help="each expert's width (default: --d-ff)")
+    p.add_argument("--shared-experts", type=int, default=0, help="shared experts every token uses (default 0)")
+    p.add_argument("--dense-layers", type=int, default=0, help="the first k blocks stay dense (default 0)")
+    p.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax")
+    p.add_argument("--balance", choices=("aux", "seq_aux", "loss_free", "loss_free+seq_aux"), default="aux",
+                   help="load balancing: Switch's loss, per sequence, a loss-free bias, or both (default aux)")
+    p.add_argument("--aux-loss-coef", type=float, default=0.01)
+    p.add_argument("--bias-update-rate", type=float, default=1e-3, help="loss-free balancing's γ")
+    p.add_argument("--z-loss-coef", type=float, default=0.0, help="ST-MoE's router z-loss weight (default 0)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with CUDA, else gloo")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a blocked collective fails")
     p.add_argument("--single", action="store_true", help="run reference.gpt.train_single instead (no torchrun)")
@@ -145,6 +162,8 @@ def run_grid(args, config: dict, m: int, device) -> None:
 
     from reference.compose import checkpoint, workers
     sizes = {a: getattr(args, a) for a in ("tp", "cp", "dp", "pp", "ep")}
+    if args.etp is not None:
+        sizes["etp"] = args.etp
     model, data = workers.build(sizes, batch_size=args.batch_size, seed=args.seed, sequence_parallel=args.sp,
                                 num_microbatches=m, zero=args.zero, device=device, recompute=args.recompute,
                                 **config)
@@ -181,7 +200,10 @@ def main(argv=None) -> None:
         from reference.compose.checkpoint import CheckpointError
         refusals = (CheckpointError,)                 # a checkpoint that does not fit, or damaged files
     config = dict(layers=args.layers, d_model=args.d_model, heads=args.heads, d_ff=args.d_ff,
-                  seq_len=args.seq_len, num_experts=args.experts, top_k=args.top_k)
+                  seq_len=args.seq_len, num_experts=args.experts, top_k=args.top_k, moe_every=args.moe_every,
+                  expert_ffn=args.expert_ffn, shared_experts=args.shared_experts, dense_layers=args.dense_layers,
+                  router=args.router, balance=args.balance, aux_loss_coef=args.aux_loss_coef,
+                  bias_update_rate=args.bias_update_rate, z_loss_coef=args.z_loss_coef)
     m = args.microbatches or args.pp
     if args.single:
         try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 
+import contextlib
 import functools
 import os
 import time
@@ -36,12 +37,15 @@ def descendants(pid: int | None = None) -> set[int]:
 
 @pytest.fixture
 def no_orphans():
-    """Fails the test if it leaves child processes behind (after a short grace period)."""
+    """Fails the test if it leaves child processes behind (after a short grace period).  The zygote
+    that forks ranks (reference.zygote) lives as long as the session: it is not left behind, though
+    any rank it forked would be."""
+    from reference.zygote import zygote_pid
     before = descendants()
     yield
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        left = descendants() - before
+        left = descendants() - before - {zygote_pid()}
         if not left:
             return
         time.sleep(0.1)
@@ -172,6 +176,13 @@ def student_release(tmp_path_factory, course_grades):
                                  answers=release_answers(course_grades))
 
 
+@pytest.fixture(scope="session")
+def release_runs(tmp_path_factory):
+    """A folder for the release's notebooks as tests/notebook/test_browser.py ran them in JupyterLab (outputs and
+    HTML animations kept): tests/website/test_site.py builds its pages from them instead of running them again."""
+    return tmp_path_factory.mktemp("release-runs")
+
+
 # -- a browser for tests/notebook/test_browser.py ----------------------------------------------------------------
 
 BROWSER_HOW = ("the browser test needs Debian's Chromium (`sudo apt install chromium`, or "
@@ -192,6 +203,21 @@ def browser_missing() -> list[str]:
 
 def browser_available() -> bool:
     return not browser_missing()
+
+
+@contextlib.contextmanager
+def headless_chromium():
+    """Debian's Chromium (``chromium_path``), headless, driven by playwright; no background traffic to the
+    internet, which this machine and CI do not reach."""
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=chromium_path(), headless=True,
+                              args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                                    "--disable-background-networking", "--disable-component-update"])
+        try:
+            yield b
+        finally:
+            b.close()
 
 
 def nobody_who_can_run(python: str):
@@ -223,6 +249,14 @@ def grading_cell(source: str) -> bool:
     lines = [ln for ln in source.strip().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     return bool(lines) and all(re.fullmatch(r"\s*(from exercises import check|check\((\"[\w.]+\"(,\s*)?)*\))\s*", ln)
                                for ln in lines) and any("check(" in ln for ln in lines)
+
+
+def pytest_configure(config):
+    """nbval's kernels (started with this process's environment) draw each replay's static picture, not its HTML
+    animation: tests/notebook/test_browser.py has every release notebook's replays drawn as animations in
+    JupyterLab (the website's test builds its pages from those), so drawing them again here would only cost the
+    suite their CPU time (about 15-20 s over the seven lectures).  COURSE_ANIMATIONS=html make test draws them."""
+    os.environ.setdefault("COURSE_ANIMATIONS", "off")
 
 
 def pytest_collection_modifyitems(config, items):

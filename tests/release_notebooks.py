@@ -37,3 +37,15 @@ def problems(cells, imported: list[str], release: str) -> list[str]:
         if "not implemented" not in "\n".join(cell_text(c) for c in code):
             out.append("its check(...) cells do not say 'not implemented'")
     return out
+
+
+def keep_run(cells, source, dest) -> None:
+    """Write a release notebook as it ran (``cells``: its executed cells, nbformat dicts) to ``dest``, with the
+    metadata of the notebook file ``source``."""
+    import nbformat
+    nb = nbformat.read(source, as_version=4)
+    # JupyterLab writes "attachments": null on a markdown cell without any; nbformat wants none or a dict
+    nb.cells = [nbformat.from_dict({k: v for k, v in c.items() if not (k == "attachments" and v is None)})
+                for c in cells]
+    nbformat.validate(nb)
+    nbformat.write(nb, dest)

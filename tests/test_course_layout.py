@@ -47,7 +47,7 @@ def _third_party_imports() -> set[str]:
 
 
 PIP_NAME = {"matplotlib": "matplotlib", "torch": "torch", "numpy": "numpy", "ipywidgets": "ipywidgets",
-            "IPython": "ipykernel", "nbformat": "nbformat", "nbclient": "nbclient"}
+            "IPython": "ipykernel", "nbformat": "nbformat", "nbclient": "nbclient", "PIL": "pillow"}
 
 
 def test_every_package_the_course_imports_is_declared_for_pip_and_conda():

@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("reference", "exercises")
 
 LAYERS = [
-    ("runtime", ("reference", "reference.trace", "reference.rank_program", "reference.launch", "reference.comm",
-                 "reference.saved")),
+    ("runtime", ("reference", "reference.trace", "reference.rank_program", "reference.launch", "reference.zygote",
+                 "reference.sources", "reference.comm", "reference.saved", "reference.cpu_time")),
     ("foundations", ("reference.collectives", "reference.mesh")),
     ("axes", ("reference.data", "reference.tensor", "reference.pipeline", "reference.sequence", "reference.moe")),
     ("composition", ("reference.gpt", "reference.compose", "reference.planner", "reference.debug")),

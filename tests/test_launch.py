@@ -8,6 +8,7 @@ import types
 
 import pytest
 
+from reference import zygote
 from reference.launch import World, WorldError, run_world
 from tests.workers import launch_workers as W
 
@@ -205,6 +206,93 @@ def test_ranks_keep_freed_memory_for_the_next_step_unless_told_not_to(monkeypatc
     with COURSE_KEEP_FREED_MEMORY=0 glibc maps and unmaps it, its default."""
     with World(2, timeout=30) as world:
         assert world.run(W.freed_block_stays_in_the_heap).values == [(False, True)] * 2
+    with World(1, timeout=30, keep_freed_memory=False) as world:            # forked, glibc's thresholds set
+        assert world.run(W.freed_block_stays_in_the_heap).values == [(True, False)]
     monkeypatch.setenv("COURSE_KEEP_FREED_MEMORY", "0")
     with World(1, timeout=30) as world:
         assert world.run(W.freed_block_stays_in_the_heap).values == [(True, False)]
+
+
+def test_a_kept_alive_world_runs_the_edit_of_a_module_its_ranks_imported(tmp_path, monkeypatch, capsys, no_orphans):
+    """A learner fixes their exercise and runs the demo cell again: the kept-alive ranks had imported the
+    old file, so the world starts afresh, says why, and runs the edit; an unchanged file keeps the ranks."""
+    import importlib
+    source = tmp_path / "edited_by_the_learner.py"
+    source.write_text("def answer():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("edited_by_the_learner")
+    with World(2, timeout=30) as w:
+        assert w.run(module.answer).values == [1, 1]
+        ranks = w.run(W.pid, 0).values
+        assert w.run(module.answer).values == [1, 1] and w.run(W.pid, 0).values == ranks   # nothing changed
+        capsys.readouterr()
+        source.write_text("def answer():\n    return 22\n")
+        assert w.run(module.answer).values == [22, 22]
+        assert "edited_by_the_learner.py changed since these ranks imported it" in capsys.readouterr().out
+        assert set(w.run(W.pid, 0).values).isdisjoint(ranks)
+
+
+@pytest.mark.skipif(not zygote.available(), reason="ranks are forked on Linux only, unless COURSE_FORK_RANKS=0")
+def test_ranks_are_forked_from_one_zygote_and_glibcs_moving_defaults_alone_spawn_them(monkeypatch, no_orphans):
+    from reference.zygote import zygote_pid
+    import os
+    with World(2, timeout=30) as a, World(1, timeout=30, keep_freed_memory=False) as b:
+        parents = a.run(W.parent_pid).values + b.run(W.parent_pid).values
+    assert zygote_pid() is not None and parents == [zygote_pid()] * 3
+    monkeypatch.setenv("COURSE_KEEP_FREED_MEMORY", "0")
+    with World(1, timeout=30) as c:
+        assert c.run(W.parent_pid).values == [os.getpid()]
+
+
+@pytest.mark.skipif(not zygote.available(), reason="ranks are forked on Linux only, unless COURSE_FORK_RANKS=0")
+def test_a_killed_zygote_takes_its_ranks_along_and_the_next_run_gets_a_new_one(no_orphans):
+    import os
+    import signal
+    from reference.zygote import zygote_pid
+    with World(2, timeout=30) as w:
+        ranks = w.run(W.pid, 0).values
+        old = zygote_pid()
+        os.kill(old, signal.SIGKILL)
+        assert _gone(ranks), "the ranks outlived their zygote"
+        assert w.run(W.rank_and_size, 2).values == [(0, 2, 2), (1, 2, 2)]     # fresh ranks, a fresh zygote
+        assert zygote_pid() not in (None, old)
+
+
+def _gone(pids, seconds: float = 10.0) -> bool:
+    """Whether every process in ``pids`` has exited (zombies count as gone) within ``seconds``."""
+    import time
+
+    def alive(p):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+_STARTER = """
+import os, sys, time
+from reference.launch import World
+from reference.zygote import zygote_pid
+w = World(2, timeout=30, echo=False).start()
+print(zygote_pid(), *w.run(os.getpid).values, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not zygote.available(), reason="ranks are forked on Linux only, unless COURSE_FORK_RANKS=0")
+def test_when_the_process_that_started_a_world_is_killed_its_zygote_and_ranks_go_too(tmp_path):
+    import subprocess
+    proc = subprocess.Popen([sys.executable, "-c", _STARTER], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in proc.stdout.readline().split()]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert len(pids) == 3 and _gone(pids), "the zygote or a rank outlived the process that started them"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CODE = ["reference", "exercises", "tests", "scripts", "benchmarks"]
+CODE = ["reference", "exercises", "tests", "scripts", "benchmarks", "docs"]
 
 
 def _ruff() -> list[str]:

@@ -7,6 +7,8 @@ module's arithmetic.  Invariants are checked on every factorisation of 8, 16 and
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 import pytest
 
@@ -86,23 +88,106 @@ def test_groups_equal_hand_written_golden_lists(sizes, golden):
                 assert set(grid.ranks(axis, r)) == group, (axis, r)
 
 
+# folded expert grids (etp ≠ tp), by hand: 64 ranks on 8-device nodes, tp = 8, dp = 8, and ep 4 over tp 2 × dp 2
+FOLDED = [
+    (dict(world_size=64, tp=8, dp=8, ep=8), {              # unfolded (etp = tp): the all-to-all crosses 8 nodes
+        "ep": S(*[[t + 8 * e for e in range(8)] for t in range(8)]),
+        "edp": S(*[[r] for r in range(64)]),
+        "etp": S(*[list(range(8 * i, 8 * i + 8)) for i in range(8)]),
+    }),
+    (dict(world_size=64, tp=8, dp=8, ep=8, etp=1), {       # folded: one node per ep group
+        "ep": S(*[list(range(8 * i, 8 * i + 8)) for i in range(8)]),
+        "edp": S(*[[t + 8 * e for e in range(8)] for t in range(8)]),
+        "etp": S(*[[r] for r in range(64)]),
+    }),
+    (dict(world_size=4, tp=2, dp=2, ep=4, etp=1), {"ep": S([0, 1, 2, 3]), "edp": S([0], [1], [2], [3]),
+                                                   "etp": S([0], [1], [2], [3]), "tp": S([0, 1], [2, 3])}),
+    (dict(world_size=8, tp=2, dp=2, pp=2, ep=2, etp=1), {   # ep 2, edp 2 inside each stage of 4 ranks
+        "ep": S([0, 1], [2, 3], [4, 5], [6, 7]), "edp": S([0, 2], [1, 3], [4, 6], [5, 7]),
+        "pp": S([0, 4], [1, 5], [2, 6], [3, 7])}),
+]
+
+
+@pytest.mark.parametrize("sizes,golden", FOLDED, ids=lambda v: ",".join(f"{k}{x}" for k, x in v.items())
+                         if isinstance(v, dict) and "world_size" in v else "")
+def test_folded_expert_groups_equal_hand_written_golden_lists(sizes, golden):
+    test_groups_equal_hand_written_golden_lists(sizes, golden)
+
+
+def test_folding_keeps_the_expert_all_to_all_inside_a_node():
+    assert RankGrid(64, tp=8, dp=8, ep=8).crosses_nodes("ep", 8)
+    assert not RankGrid(64, tp=8, dp=8, ep=8, etp=1).crosses_nodes("ep", 8)
+    # DeepSeek-V3's layout (NeMo): EP 64 over TP 2 × DP 32, expert-tensor size 1 — unbuildable without folding
+    grid = RankGrid(64, tp=2, dp=32, ep=64, etp=1)
+    assert grid.sizes["edp"] == 1 and grid.ranks("ep", 5) == list(range(64))
+
+
+MEGATRON = json.loads((Path(__file__).parent / "megatron_rank_groups.json").read_text())
+
+
+@pytest.mark.parametrize("case", MEGATRON["cases"], ids=lambda c: ",".join(f"{k}{v}" for k, v in c["sizes"].items()))
+def test_groups_equal_megatron_cores_rank_generator(case):
+    """Group lists produced by megatron-core's own RankGenerator (the file names its version), dense grid with
+    ep = 1 and expert grid with tp = etp, cp = 1, dp = edp, as its initialize_model_parallel builds them."""
+    grid = RankGrid(**case["sizes"])
+    for axis, groups in case["groups"].items():
+        want = sorted(sorted(g) for g in groups)
+        got = grid.all_groups("pp" if axis == "expert_pp" else axis)
+        assert got == want, (case["sizes"], axis)
+
+
+def test_megatron_core_itself_when_installed():
+    """The same lists computed live, where megatron-core imports (``benchmarks/.peers``; Python ≥ 3.12 for
+    0.17+): its RankGenerator on every factorisation of 16 ranks with etp ∈ {1, tp}."""
+    import sys
+    peers = str(Path(__file__).resolve().parents[1] / "benchmarks" / ".peers")
+    sys.path.append(peers)
+    try:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.parallel_state import RankGenerator
+    except Exception:                             # noqa: BLE001 - not installed here: the pasted lists above hold
+        pytest.skip("megatron-core is not installed in benchmarks/.peers")
+    finally:
+        sys.path.remove(peers)
+    order = "tp-cp-ep-dp-pp"
+    for sizes in factorisations(16, every_etp=False):
+        tp, cp, dp, pp, ep, etp = (sizes[a] for a in ("tp", "cp", "dp", "pp", "ep", "etp"))
+        grid = RankGrid(16, **sizes)
+        dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
+        expert = RankGenerator(tp=etp, ep=ep, dp=grid.edp, pp=pp, cp=1, order=order)
+        for axis, gen, token in (("tp", dense, "tp"), ("cp", dense, "cp"), ("dp", dense, "dp"), ("pp", dense, "pp"),
+                                 ("dp_cp", dense, "dp-cp"), ("etp", expert, "tp"), ("ep", expert, "ep"),
+                                 ("edp", expert, "dp"), ("pp", expert, "pp")):
+            assert grid.all_groups(axis) == sorted(sorted(g) for g in gen.get_ranks(token)), (sizes, axis)
+
+
 def test_coordinates_by_hand():
     grid = RankGrid(16, tp=2, cp=2, dp=2, pp=2, ep=2)
     # 13 = 1 + 2·(0 + 2·(1 + 2·1)): tp 1, cp 0, dp 1, pp 1; expert view: 13 = 1 + 2·(0 + 2·(1 + 2·1)) too
-    assert grid.coords(13) == dict(tp=1, cp=0, dp=1, pp=1, ep=0, edp=1)
-    assert grid.coords(6) == dict(tp=0, cp=1, dp=1, pp=0, ep=1, edp=1)
+    assert grid.coords(13) == dict(tp=1, cp=0, dp=1, pp=1, etp=1, ep=0, edp=1)
+    assert grid.coords(6) == dict(tp=0, cp=1, dp=1, pp=0, etp=0, ep=1, edp=1)
     assert grid.rank_of(tp=1, cp=0, dp=1, pp=1) == 13
-    assert RankGrid(8, tp=2, dp=4, ep=2, rank=5).coords() == dict(tp=1, cp=0, dp=2, pp=0, ep=0, edp=1)
+    assert RankGrid(8, tp=2, dp=4, ep=2, rank=5).coords() == dict(tp=1, cp=0, dp=2, pp=0, etp=1, ep=0, edp=1)
+    # folded, etp = 1: 13 = 0 + 1·(ep 1 + 4·(edp 1 + 2·pp 1))  on 16 = tp 2 · cp 2 · dp 2 · pp 2, ep 4 → edp 2
+    assert RankGrid(16, tp=2, cp=2, dp=2, pp=2, ep=4, etp=1).coords(13) == dict(tp=1, cp=0, dp=1, pp=1, etp=0,
+                                                                                ep=1, edp=1)
 
 
 # ------------------------------------------------------------------ invariants on 8, 16, 64 ranks
 
-def factorisations(n):
+def factorisations(n, every_etp=True):
+    """Every (tp, cp, dp, pp, ep, etp) of n ranks; ``every_etp`` False (64 ranks: cheaper): etp = tp with every ep,
+    and etp = 1 with the largest ep only."""
     for tp, cp, dp in itertools.product([d for d in range(1, n + 1) if n % d == 0], repeat=3):
         if n % (tp * cp * dp) == 0:
             pp = n // (tp * cp * dp)
-            for ep in [e for e in range(1, dp * cp + 1) if dp * cp % e == 0]:
-                yield dict(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+            etps = [e for e in range(1, tp * cp * dp + 1) if tp * cp * dp % e == 0] if every_etp else sorted({1, tp})
+            for etp in etps:
+                eps = [e for e in range(1, tp * cp * dp // etp + 1) if tp * cp * dp // etp % e == 0]
+                for ep in eps if every_etp or etp == tp else eps[-1:]:
+                    yield dict(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp)
 
 
 def groups_by_key(coords, axes_fixed):
@@ -116,13 +201,14 @@ def groups_by_key(coords, axes_fixed):
 DENSE = ("tp", "cp", "dp", "pp")
 FIXED = {  # a group on an axis = the ranks that agree on every OTHER coordinate of its grid
     "tp": ("cp", "dp", "pp"), "cp": ("tp", "dp", "pp"), "dp": ("tp", "cp", "pp"), "pp": ("tp", "cp", "dp"),
-    "ep": ("tp", "edp", "pp"), "edp": ("tp", "ep", "pp"), "dp_cp": ("tp", "pp"),
+    "etp": ("ep", "edp", "pp"), "ep": ("etp", "edp", "pp"), "edp": ("etp", "ep", "pp"), "dp_cp": ("tp", "pp"),
+    "tp_dp_cp": ("pp",),
 }
 
 
 @pytest.mark.parametrize("n", [8, 16, 64])
 def test_invariants_every_factorisation(n):
-    grids = list(factorisations(n))
+    grids = list(factorisations(n, every_etp=n <= 16))
     assert len(grids) > 20
     for sizes in grids:
         grid = RankGrid(n, **sizes)
@@ -140,13 +226,18 @@ def test_invariants_every_factorisation(n):
         # tensor groups are neighbouring ranks (one node when tp ≤ devices per node)
         assert all(g == list(range(g[0], g[0] + grid.tp)) for g in grid.all_groups("tp"))
         # the expert grid shares the pipeline groups (Megatron asserts the same) ...
-        assert groups_by_key(c, ("tp", "ep", "edp")) == groups_as_sets(grid.all_groups("pp"))
-        # ... and is carved out of the data × context ranks: ep × edp tiles each dp_cp group
-        for g in grid.all_groups("dp_cp"):
-            r = g[0]
-            assert set(grid.ranks("ep", r)) | set(grid.ranks("edp", r)) <= set(g)
-            assert len(grid.ranks("ep", r)) * len(grid.ranks("edp", r)) == len(g)
-            assert set(grid.ranks("ep", r)) & set(grid.ranks("edp", r)) == {r}
+        assert groups_by_key(c, ("etp", "ep", "edp")) == groups_as_sets(grid.all_groups("pp"))
+        # ... and folds the tp × cp × dp ranks of each stage: etp × ep × edp tiles each stage
+        stage = {frozenset(g) for g in groups_by_key(c, ("pp",))}
+        for r in (0, n - 1):
+            mine = next(s for s in stage if r in s)
+            e, p, d = (set(grid.ranks(a, r)) for a in ("etp", "ep", "edp"))
+            assert e | p | d <= mine and len(e) * len(p) * len(d) == len(mine)
+            assert e & p == p & d == e & d == {r}
+        if grid.etp == grid.tp:      # unfolded: ep × edp is carved out of the data × context ranks
+            for g in grid.all_groups("dp_cp"):
+                r = g[0]
+                assert set(grid.ranks("ep", r)) | set(grid.ranks("edp", r)) <= set(g)
 
 
 def test_tensor_groups_stay_inside_a_node_pipeline_crosses():
@@ -160,11 +251,18 @@ def test_tensor_groups_stay_inside_a_node_pipeline_crosses():
 @pytest.mark.parametrize("args,kwargs,words", [
     ((8,), dict(tp=2, dp=2), ["tp·cp·dp·pp", "= 4", "world_size = 8"]),
     ((6,), dict(tp=4, dp=2), ["8", "world_size = 6"]),
-    ((8,), dict(dp=2, tp=2, pp=2, ep=4), ["ep=4", "dp·cp = 2·1 = 2"]),
+    ((8,), dict(dp=2, tp=2, pp=2, ep=4), ["etp·ep = 2·4 = 8", "tp·cp·dp = 2·1·2 = 4"]),
+    ((8,), dict(dp=2, tp=2, pp=2, ep=4, etp=1), []),                                 # folded: it fits
+    ((8,), dict(dp=2, tp=2, pp=2, ep=3, etp=1), ["etp·ep = 1·3 = 3", "= 4"]),
+    ((12,), dict(dp=3, tp=4, ep=2, etp=4), ["etp·ep = 4·2 = 8", "tp·cp·dp = 4·1·3 = 12"]),
+    ((8,), dict(dp=8, etp=0), ["etp=0"]),
     ((8,), dict(dp=8, tp=0), ["tp=0"]),
     ((4,), dict(dp=4, rank=4), ["rank=4"]),
 ])
 def test_inconsistent_sizes_raise_value_error_naming_them(args, kwargs, words):
+    if not words:
+        RankGrid(*args, **kwargs)
+        return
     with pytest.raises(ValueError) as e:
         RankGrid(*args, **kwargs)
     for w in words:
@@ -207,8 +305,9 @@ def world4():
 
 
 def test_group_all_reduces_over_exactly_its_ranks(world4):
-    grids = [dict(tp=2, pp=2), dict(cp=2, dp=2, ep=2)]      # every axis non-trivial in one of them
-    axes = ["tp", "cp", "dp", "pp", "ep", "edp", "dp_cp"]
+    grids = [dict(tp=2, pp=2), dict(cp=2, dp=2, ep=2), dict(tp=2, dp=2, ep=4, etp=1),   # every axis non-trivial
+             dict(tp=2, dp=2, ep=2, etp=1)]                                                  # in one of them
+    axes = ["tp", "cp", "dp", "pp", "etp", "ep", "edp", "dp_cp"]
     res = world4.run(compose_workers.group_sums, grids, axes)
     for r, per_grid in enumerate(res.values):
         for sizes, got in zip(grids, per_grid):

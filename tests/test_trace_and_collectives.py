@@ -48,6 +48,30 @@ def test_trace_queries():
     assert tr.steps() == [0, 1]
 
 
+def test_a_real_trace_exports_to_the_chrome_format_with_every_event_and_its_messages(world, tmp_path):
+    import json
+    res = world(3).run(C.all_reduce_case, 36, 1.0)
+    tr = res.trace
+    path = tmp_path / "ring.json"
+    doc = tr.to_chrome(str(path))
+    assert json.loads(path.read_text()) == doc
+    events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    t0 = min(e.start for e in tr)
+    assert len(events) == len(tr)
+    got = sorted((e["args"]["rank"], e["args"]["op"], e["args"]["peer"], e["args"]["nbytes"], e["args"]["step"],
+                  round(e["ts"], 3), round(e["dur"], 3)) for e in events)
+    want = sorted((e.rank, e.op, e.peer, e.nbytes, e.step, round((e.start - t0) * 1e6, 3),
+                   round(e.duration * 1e6, 3)) for e in tr)
+    assert got == want
+    assert all(e["pid"] == e["args"]["rank"] for e in events)
+    names = {(m["pid"], m["args"]["name"]) for m in doc["traceEvents"] if m["name"] == "process_name"}
+    assert names == {(r, f"rank {r}") for r in range(3)}
+    # each of the ring's sends is joined to the matching receive by a flow arrow
+    starts = [e for e in doc["traceEvents"] if e["ph"] == "s"]
+    assert len(starts) == len(tr.filter(op="send")) == len(tr.filter(op="recv"))
+    assert {e["id"] for e in starts} == {e["id"] for e in doc["traceEvents"] if e["ph"] == "f"}
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_ring_all_reduce_equals_sum_in_float64_including_odd_sizes(world, n):
     res = world(n).run(C.all_reduce_case, 13, 1e6)
@@ -97,6 +121,26 @@ def test_collective_widget_state_replays_reduce_scatter_then_all_gather(world, n
     assert frames[-1].bytes_sent == [2 * (n - 1) * 4 * 8] * n
     # every message goes to the next rank on the ring
     assert all(dst == (src + 1) % n for f in frames for src, dst, _, _ in f.messages)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_collective_widget_replays_a_learners_run_whose_messages_carry_no_phase_or_chunk(world, n):
+    """A learner's ring all-reduce passes no phase= or chunk= (an independent one passing step= only, and the
+    reference's trace with every step and meta stripped): the frames are the reference's own."""
+    from dataclasses import replace
+
+    from reference.notebook import primer
+    from reference.widgets.collective import inferred
+    ref = world(n).run(primer.ring_all_reduce, 4 * n).trace
+    theirs = world(n).run(primer.ring_all_reduce, 4 * n, "tests.submissions._ring").trace
+    bare = [replace(e, step=None, meta={}) for e in ref]
+    want = collective_frames(ref, n)
+    assert not inferred(ref) and inferred(theirs) and inferred(bare)
+    for events in (theirs, bare):
+        got = collective_frames(events, n)
+        assert [(f.label, f.messages, f.holdings, f.bytes_sent) for f in got] == \
+               [(f.label, f.messages, f.holdings, f.bytes_sent) for f in want]
+    assert [f.complete(0) for f in want][-1] == list(range(n))
 
 
 def test_collective_widget_renders_a_static_first_frame(world):

@@ -32,7 +32,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from . import core, session
+from . import core, provenance, session
 from .strip import ROOT, STUDENT_LEAVE_OUT, copy_tree, strip_solutions
 
 NAME = "splitting-the-work"
@@ -72,10 +72,11 @@ def record_oracle(ids=None, timeout: float | None = None) -> tuple[dict, list]:
 
 
 def build_student(out: Path, ids=None, *, make_zip: bool = True, timeout: float | None = None,
-                  answers: dict | None = None) -> Path:
+                  answers: dict | None = None, dirty: list[str] | None = None) -> Path:
     """Build the student release in ``out/splitting-the-work`` (and ``out/splitting-the-work.zip``).
     ``answers``: the oracle answers :func:`record_oracle` would record for ``ids``, recorded already (the
-    test session takes them from its own grading of the reference instead of grading it again)."""
+    test session takes them from its own grading of the reference instead of grading it again).
+    ``dirty``: uncommitted files it was built with (``--allow-dirty``), named in its RELEASE.txt."""
     import torch
 
     registry = core.load_checks()
@@ -96,8 +97,8 @@ def build_student(out: Path, ids=None, *, make_zip: bool = True, timeout: float 
     from reference.notebook import recorded
     demos = recorded.record_all(dest / "reference" / "_recorded", progress=None)
     (dest / "RELEASE.txt").write_text(
-        f"{NAME}: student release built {time.strftime('%Y-%m-%d %H:%M')}.\n"
-        f"Exercises: {', '.join(registry)}.\nFunctions you write (their reference bodies are not here):\n"
+        provenance.build_note("student release", dirty)
+        + f"Exercises: {', '.join(registry)}.\nFunctions you write (their reference bodies are not here):\n"
         + "".join(f"  {i}  {f}: {n}\n" for i, f, n in stripped)
         + f"Reference answers recorded for the grader: {len(answers)}.\n"
         + f"Notebook demos recorded from the reference (reference/_recorded): {demos}.\n")
@@ -319,7 +320,8 @@ def verify_fresh_inputs(ids=None, *, solutions: str = "reference") -> list:
     return results
 
 
-def build_autograder(out: Path, *, verify_ids=None, verify_with: str = "reference") -> Path:
+def build_autograder(out: Path, *, verify_ids=None, verify_with: str = "reference",
+                     dirty: list[str] | None = None) -> Path:
     """Build ``out/autograder.zip`` (and the unpacked ``out/bundle/``) — after checking that the
     reference scores full marks on fresh inputs (:func:`verify_fresh_inputs`; ``verify_ids``: only
     these exercises, ``verify_with``: another package, for tests)."""
@@ -332,6 +334,7 @@ def build_autograder(out: Path, *, verify_ids=None, verify_with: str = "referenc
         shutil.rmtree(bundle)
     bundle.mkdir(parents=True)
     copy_tree(AUTOGRADER_PATHS, bundle)
+    (bundle / "RELEASE.txt").write_text(provenance.build_note("autograder bundle", dirty))
     for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER), ("lock_source.sh", LOCK_SOURCE_SH)):
         p = bundle / name
         p.write_text(text)
@@ -352,14 +355,25 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--timeout", type=float, default=None)
     a = sub.add_parser("autograder", help="build the Gradescope autograder bundle")
     a.add_argument("--out", default=str(ROOT / "autograder"))
+    for parser in (s, a):
+        parser.add_argument("--allow-dirty", action="store_true",
+                            help="build from uncommitted changes (make ... ALLOW_DIRTY=1); the build says so")
     c = sub.add_parser("collect", help="(run_autograder) copy a submission's modules into a package")
     c.add_argument("submission")
     c.add_argument("dest")
     args = p.parse_args(argv)
+    if args.what in ("student", "autograder"):
+        what, shipped = (("student release", STUDENT_PATHS + ["docs/students.md"]) if args.what == "student"
+                         else ("autograder bundle", AUTOGRADER_PATHS))
+        try:
+            dirty = provenance.refuse_uncommitted(what, shipped, args.allow_dirty)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.what == "student":
-        build_student(Path(args.out), args.ids or None, make_zip=not args.no_zip, timeout=args.timeout)
+        build_student(Path(args.out), args.ids or None, make_zip=not args.no_zip, timeout=args.timeout, dirty=dirty)
     elif args.what == "autograder":
-        build_autograder(Path(args.out))
+        build_autograder(Path(args.out), dirty=dirty)
     else:
         collect_submission(Path(args.submission), Path(args.dest))
     return 0

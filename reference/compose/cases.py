@@ -19,7 +19,7 @@ the forward through lectures 4–5b's layers happened here, with the reference.
 
 **5c.3: one rank's byte counts** (:func:`bytes_case`): the arguments :func:`.estimate.step_bytes`
 takes for one rank of a grid, and the bytes that rank sends on dp_cp, cp and pp by
-:func:`.train.expected_bytes` — the formula ``tests/compose/test_train.py`` holds equal to the
+:func:`.train.expected_bytes` — the formula the full course's ``tests/compose/test_train.py`` holds equal to the
 trace of real runs on every rank.
 """
 from __future__ import annotations

@@ -87,6 +87,15 @@ def global_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
         return {n: tuple(p.shape) for n, p in TinyGPT(cfg).named_parameters()}
 
 
+def bias_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """The loss-free balancing biases (buffers, ``blocks.<i>.mlp.moe.expert_bias``) → shape: training
+    state as much as Adam's moments, saved as ``model.<name>`` (none for the other balances)."""
+    if not cfg.balance.startswith("loss_free"):
+        return {}
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return {n: tuple(b.shape) for n, b in TinyGPT(cfg).named_buffers() if n.endswith("expert_bias")}
+
+
 def _row_pieces(kind: str, r: int, local: tuple, full: tuple) -> list[tuple[int, int, tuple[int, ...]]]:
     """The local row ranges [lo, hi) of a shard (tp rank r) and the global offsets of row lo, column 0."""
     n, zero = local[0], (0,) * len(local)
@@ -154,18 +163,23 @@ def grid_state(model: ParallelGPT, optimizer) -> dict[str, GlobalTensor]:
     """What this rank of a composed run holds, by global key: its parameters (``model.shards``), and the
     state of ``optimizer`` — a :class:`reference.compose.workers.Adam` or a :class:`.zero.ComposedZero`
     (ZeRO flat shards placed per parameter).  Views: build it once, after the optimizer."""
-    shapes, r = global_shapes(model.cfg), model.coords["tp"]
+    shapes = global_shapes(model.cfg)
     names = {id(s.param): n for n, s in model.shards.items()}
     state: dict[str, GlobalTensor] = {}
 
     def add(key: str, name: str, flat: torch.Tensor, **span) -> None:
         s = model.shards[name]
+        r = model.coords["etp" if s.expert else "tp"]         # an expert is cut over etp (tp, or 1 when folded)
         pieces = _pieces(s.kind, r, tuple(s.param.shape), shapes[name], flat, **span)
         if pieces:
             state.setdefault(key, GlobalTensor(shapes[name])).pieces.extend(pieces)
 
     for name, s in model.shards.items():
         add(f"model.{name}", name, _flat(s.param))
+    buffers = dict(model.named_buffers())
+    for name, shape in bias_shapes(model.cfg).items():      # this stage's layers: replicated everywhere
+        if name in buffers:
+            state[f"model.{name}"] = GlobalTensor(shape, [((0,), buffers[name])])
     zero = isinstance(optimizer, ComposedZero)
     for adam in [optimizer.experts] if zero else [optimizer]:
         for i, p in enumerate(adam.params):
@@ -202,6 +216,9 @@ def single_state(model: TinyGPT, optimizer: torch.optim.Optimizer) -> dict[str, 
         for key, t in (("model", p), ("optim.exp_avg", st["exp_avg"]), ("optim.exp_avg_sq", st["exp_avg_sq"])):
             state[f"{key}.{name}"] = GlobalTensor(tuple(p.shape), [(zero, t.detach())])
         state[f"optim.step.{name}"] = GlobalTensor((), [((), st["step"])])
+    buffers = dict(model.named_buffers())
+    for name, shape in bias_shapes(model.cfg).items():
+        state[f"model.{name}"] = GlobalTensor(shape, [((0,), buffers[name])])
     return state
 
 
@@ -216,7 +233,8 @@ def expected_keys(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Every key a checkpoint of this model holds → its global shape (``train`` aside)."""
     shapes = global_shapes(cfg)                       # the parameters first: errors name them before their state
     kinds = ("model", "optim.exp_avg", "optim.exp_avg_sq")
-    return {f"{k}.{n}": s for k in kinds for n, s in shapes.items()} | {f"optim.step.{n}": () for n in shapes}
+    return ({f"{k}.{n}": s for k in kinds for n, s in shapes.items()} | {f"optim.step.{n}": () for n in shapes}
+            | {f"model.{n}": s for n, s in bias_shapes(cfg).items()})
 
 
 def save_due(done: int, total: int, every: int) -> bool:

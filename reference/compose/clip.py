@@ -14,8 +14,8 @@ copy).  The copies, after :func:`.train.sync_gradients`, are equal::
     ────────────────────────────────────────  ──────────────────  ────────────────  ─────────────────────
     qkv, proj.weight, fc1, fc2.weight, vocab  tp, pp              dp·cp             dp = cp = 0
     LayerNorms, pos_emb, row biases, router   pp                  tp × dp·cp        tp = dp = cp = 0
-    experts (column / row cuts)               ep × tp, pp         edp               edp = 0
-    an expert's row bias                      ep, pp              tp × edp          tp = edp = 0
+    experts (column / row cuts)               ep × etp, pp        edp               edp = 0
+    an expert's row bias                      ep, pp              etp × edp         etp = edp = 0
 
 So each rank sums the squares of the gradients it *owns* (:func:`owns`: the copy with coordinate 0
 on every axis that replicates it, read off the model's own shard table: ``Shard.kind`` "replicated"
@@ -37,7 +37,7 @@ LayerNorm gradient tp·dp·cp times (or, taking only dp = cp = 0, still tp times
 the local shard gives each rank its own ‖g‖, hence its own coefficient: tp ranks then scale
 their copies of one LayerNorm differently and the "replicas" drift apart.  Adam is nearly blind
 to one scale on the whole gradient, so the loss curve hardly shows either error; compare ‖g‖
-itself with one process's (tests/compose/test_clip.py: to 1e-10, and the wrong counts differ).
+itself with one process's (the full course's tests/compose/test_clip.py: to 1e-10, and the wrong counts differ).
 
 It runs after the gradient synchronisation and before the optimizer step (``train_step(…,
 clip_grad_norm=c)``).  With ZeRO (.zero) the dense gradients, once reduced, live in dp·cp shards
@@ -60,9 +60,11 @@ EPS = 1e-6            # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (‖
 
 def owns(shard, coords: dict) -> bool:
     """Does the rank at ``coords`` count this :class:`.parallel_gpt.Shard` in ‖g‖²?  The copy at 0
-    on every axis that replicates it: edp (an expert) or dp and cp (dense), and tp if it is whole there."""
-    copy = coords["edp"] == 0 if shard.expert else coords["dp"] == 0 and coords["cp"] == 0
-    return copy and (shard.kind != "replicated" or coords["tp"] == 0)
+    on every axis that replicates it: edp (an expert) or dp and cp (dense), and tp (etp for an expert)
+    if it is whole there."""
+    if shard.expert:
+        return coords["edp"] == 0 and (shard.kind != "replicated" or coords["etp"] == 0)
+    return coords["dp"] == 0 and coords["cp"] == 0 and (shard.kind != "replicated" or coords["tp"] == 0)
 
 
 def _world_norm(local_sq: torch.Tensor, device) -> float:

@@ -1,6 +1,7 @@
-"""The lecture 5c notebook's runs (recorded for the student release, see ``reference.notebook.recorded``): the
-tiny GPT's curves on one process, the composed runs in 3D and 4D on 8 ranks beside one process, and
-the planner against a measured run.  Their rank functions are in :mod:`.workers`.
+"""The lecture 5c notebooks' runs (recorded for the student release, see ``reference.notebook.recorded``): the
+tiny GPT's curves on one process, the composed runs in 3D and 4D on 8 ranks beside one process, the
+planner against a measured run, and (the appendix) a checkpoint saved on one grid and resumed on another.
+Their rank functions are in :mod:`.workers`.
 """
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from ..mesh import RankGrid
 from ..notebook.recorded import recordable
 
-__all__ = ["tiny_gpt_curves", "composed_runs", "overlap_timeline", "planner_vs_run", "COMPOSED_NEEDS"]
+__all__ = ["tiny_gpt_curves", "composed_runs", "overlap_timeline", "planner_vs_run", "checkpoint_reshard",
+           "COMPOSED_NEEDS"]
 
 
 @recordable("05c.tiny_gpt_curves", needs=("5b.1", "5b.2"))
@@ -106,8 +108,8 @@ def overlap_timeline(trace, rank: int = 0) -> dict:
     ends = sorted(e.end for e in trace.filter("all_reduce", rank=rank, what="loss"))
     since = ends[-2] if len(ends) > 1 else float("-inf")
     ready = [e for e in trace.filter("grad_ready", rank=rank) if e.start > since]
-    ars = [e for op in ("all_reduce", "reduce_scatter")                  # ZeRO-2's buckets are reduce-scatters
-           for e in trace.filter(op, rank=rank, what="grads") if e.start > since]
+    ars = sorted((e for op in ("all_reduce", "reduce_scatter")          # ZeRO-2's buckets are reduce-scatters
+                  for e in trace.filter(op, rank=rank, what="grads") if e.start > since), key=lambda e: e.start)
     if not ready:
         return {"ready": [], "buckets": [], "backward_end": 0.0, "hidden": 0.0}
     t0 = min(e.start for e in ready)
@@ -116,7 +118,7 @@ def overlap_timeline(trace, rank: int = 0) -> dict:
     before = sum(max(0.0, min(e.end, end) - e.start) for e in ars)
     ms = lambda t: 1e3 * (t - t0)                                         # noqa: E731
     return {"ready": [(ms(e.start), e.meta.get("bucket")) for e in ready],
-            "buckets": [(e.meta.get("bucket"), ms(e.start), ms(e.end)) for e in ars],
+            "buckets": [(e.meta.get("bucket", i), ms(e.start), ms(e.end)) for i, e in enumerate(ars)],  # posting order
             "backward_end": ms(end), "hidden": before / busy if busy else 0.0}
 
 
@@ -140,3 +142,37 @@ def planner_vs_run(sizes: dict | None = None, num_microbatches: int = 2, batch_s
             "ranks": {r: planner_vs_measured(res, sizes, rank=r, batch_size=batch_size,
                                              num_microbatches=num_microbatches, **config)
                       for r in range(n)}}
+
+
+@recordable("05c.checkpoint_reshard", needs=COMPOSED_NEEDS)
+def checkpoint_reshard(steps: int = 4, save_after: int = 2, batch_size: int = 4, layers: int = 2, d_model: int = 16,
+                       heads: int = 4, d_ff: int = 32, seq_len: int = 8, world=None) -> dict:
+    """A checkpoint that outlives its grid, on 4 ranks: train ``save_after`` steps on dp × tp = 2 × 2 with ZeRO-1
+    (Adam's moments sharded over dp) and save (``reference.compose.checkpoint``: every rank its own slices, in
+    the single-process coordinates); then resume from it on tp = 4, in the same ranks, for the remaining steps;
+    and train one process for all ``steps`` from the same seed.
+
+    Returns "saved_on", "resumed_on", "losses_before" and "losses_after" (the two grids' losses), "single" (the
+    one process's), "max_diff" (largest |grid − one process| over every step), "start" (the step the resumed run
+    began at), "save_seconds" (the save's wall time on each rank, to the commit) and "bytes_per_rank" (what each
+    rank wrote)."""
+    import tempfile
+
+    from ..gpt import train_single
+    from ..notebook.recorded import live_world
+    from . import workers
+    config = dict(layers=layers, d_model=d_model, heads=heads, d_ff=d_ff, seq_len=seq_len)
+    saved_on, resumed_on = {"dp": 2, "tp": 2}, {"tp": 4}
+    with tempfile.TemporaryDirectory(prefix="course-ckpt-") as directory, \
+            live_world(4, {4: world} if world is not None else None) as w:
+        first = w.run(workers.train_worker, saved_on, save_after, batch_size=batch_size, zero=1, params="none",
+                      checkpoint_dir=directory, **config).values
+        second = w.run(workers.train_worker, resumed_on, steps, batch_size=batch_size, params="none",
+                       checkpoint_dir=directory, resume=True, **config).values
+    single = train_single(steps, batch_size=batch_size, **config)
+    grid = first[0]["losses"] + second[0]["losses"]
+    save = [v["saved"][-1] for v in first]
+    return {"saved_on": saved_on, "resumed_on": resumed_on, "losses_before": first[0]["losses"],
+            "losses_after": second[0]["losses"], "single": single, "start": second[0]["start"],
+            "max_diff": max(abs(a - b) for a, b in zip(grid, single)),
+            "save_seconds": [s.seconds for s in save], "bytes_per_rank": dict(save[0].bytes_per_rank)}

@@ -17,7 +17,8 @@ other, in this order (as picotron's and torchtitan's ``parallelize`` do):
     cp    my two zigzag chunks of the sequence; attention's   sequence.ring_attention, positions
           ``attend`` becomes ring attention over cp
     ep    experts e ∈ [r·E/ep, (r+1)·E/ep) of each MoE layer  moe.ExpertParallelMoE (dropless all-to-all),
-          (each expert itself cut over tp like the MLP)       its experts as tensor.Column/RowParallelLinear
+          (each expert cut over etp: tp, or whole when the    its experts as tensor.Column/RowParallelLinear
+          expert grid is folded, etp = 1: .moe_layer)         (.moe_layer.ExpertParallelMLP)
     dp    nothing: a full replica of the above (its rows of the batch come in compose.train)
 
 Each step swaps modules for their parallel versions under the single-process names (the blocks
@@ -48,7 +49,9 @@ the same shard and saw different tokens, ``edp`` = dp·cp/ep ranks that hold the
     ln1, ln2, ln_f, pos_emb,           — (tp copies)   dp_cp                      tp copies saw the same
     proj.bias, fc2.bias, router                                                   tokens: equal grads already
       … with sequence_parallel         — (tp copies)   Σ over tp, then dp_cp      each tp rank saw S/tp rows
-    experts (0 = fc1, 2 = fc2)         ep × tp         Σ over edp, ÷ dp·cp        the all-to-all already
+      (a folded MoE layer's router     — (tp copies)   Σ over tp, then dp_cp      each tp rank routed 1/tp)
+    shared experts (moe.shared)        tp              dp_cp                      as the MLP
+    experts (0 = fc1, 2 = fc2)         ep × etp        Σ over edp, ÷ dp·cp        the all-to-all already
                                                                                   summed the ep group's tokens
     (any of them)                      pp (stages)     —                          one stage owns it
 
@@ -60,15 +63,15 @@ On 8 ranks, tp = cp = dp = 2 (rank = tp + 2·(cp + 2·dp), reference.mesh)::
                                         quarters of the batch (2 sequences × 2 halves), so rank 0's
                                         qkv shard steps with the mean of these four gradients
 
-The MoE aux loss with pp > 1.  One process minimises L = CE + α·(1/N_moe)·Σ_l aux_l over the
-model's N_moe MoE layers, but a stage's aux losses never reach the last stage, where the
-executor back-propagates CE/m per micro-batch.  As Megatron-Core does (``MoEAuxLossAutoScaler``),
-each MoE layer returns its output through :class:`AuxLossAutoScaler`: unchanged forward, and in
-backward it also gives its aux loss the gradient ∂L/∂aux_l = α/N_moe/m, so every stage
-back-propagates its own aux losses with the weight the single-process loss gives them, and no
+The MoE router losses with pp > 1.  One process minimises L = CE + (1/N_moe)·Σ_l (α·aux_l + β·z_l)
+over the model's N_moe MoE layers, but a stage's router losses never reach the last stage, where
+the executor back-propagates CE/m per micro-batch.  As Megatron-Core does (``MoEAuxLossAutoScaler``),
+each MoE layer returns its output through :class:`AuxLossAutoScaler` (.moe_layer): unchanged
+forward, and in backward it also gives its α·aux + β·z the gradient 1/N_moe/m, so every stage
+back-propagates its own router losses with the weight the single-process loss gives them, and no
 extra message is sent.  With m micro-batches each aux loss is that of one micro-batch's tokens
 (over dp_cp), as in Megatron; the ground truth is then ``train_single(…, microbatches=m, dp=dp)``.
-With pp = 1, ``loss_fn`` adds α × the mean aux loss itself, as TinyGPT.loss does.
+With pp = 1, ``loss_fn`` adds α × the mean aux loss (and β × the mean z-loss) itself, as TinyGPT.loss does.
 
 The vocabulary (27 characters) rarely divides by tp: as Megatron does, it is padded to a multiple
 of tp with zero rows; the padded logits are set to −∞ before the loss, so the loss, every
@@ -90,15 +93,16 @@ from .. import comm
 from ..gpt import MLP, GPTConfig, MoEMLP, TinyGPT
 from ..mesh import AxisGroups, RankGrid
 from ..moe import ExpertParallelMoE
+from .moe_layer import AuxLossAutoScaler, ExpertParallelMLP
 from ..pipeline import balanced_sizes
 from ..sequence import positions, ring_attention
-from ..tensor import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear,
-                      VocabParallelEmbedding, vocab_parallel_cross_entropy)
+from ..tensor import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, VocabParallelEmbedding,
+                      vocab_parallel_cross_entropy)
 
 __all__ = ["check_sizes", "padded_vocab", "ParallelGPT", "ContextParallelAttention", "ExpertParallelMLP",
            "AuxLossAutoScaler", "Shard", "shard_table", "full_state_dict", "SIZE_KEYS"]
 
-SIZE_KEYS = ("dp", "tp", "pp", "cp", "ep")
+SIZE_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,8 +120,8 @@ def check_sizes(cfg: GPTConfig, sizes: dict, world_size: int, batch_size: int, *
     unknown = set(sizes) - set(SIZE_KEYS)
     if unknown:
         raise ValueError(f"unknown axes {sorted(unknown)}; sizes takes {', '.join(SIZE_KEYS)}")
-    grid = RankGrid(world_size, **sizes)              # positive integers, tp·cp·dp·pp = world, ep | dp·cp
-    tp, cp, dp, pp, ep = grid.tp, grid.cp, grid.dp, grid.pp, grid.ep
+    grid = RankGrid(world_size, **sizes)              # positive integers, tp·cp·dp·pp = world, etp·ep | tp·cp·dp
+    tp, cp, dp, pp, ep, etp = grid.tp, grid.cp, grid.dp, grid.pp, grid.ep, grid.etp
     if cfg.heads % tp:
         raise ValueError(f"tp={tp} must divide the {cfg.heads} attention heads (each rank keeps whole heads)")
     if cfg.d_ff % tp:
@@ -131,6 +135,16 @@ def check_sizes(cfg: GPTConfig, sizes: dict, world_size: int, batch_size: int, *
         raise ValueError(f"ep={ep} needs MoE layers (num_experts > 0)")
     if cfg.num_experts and cfg.num_experts % ep:
         raise ValueError(f"ep={ep} must divide num_experts={cfg.num_experts}")
+    if etp not in (1, tp):
+        raise ValueError(f"etp={etp}: the composed run cuts experts over tp (etp = tp = {tp}) or not at all (etp = 1)")
+    if cfg.num_experts and cfg.expert_width % etp:
+        raise ValueError(f"etp={etp} must divide expert_ffn={cfg.expert_width} (each expert's fc1 rows / fc2 columns)")
+    if cfg.num_experts and cfg.shared_experts and (cfg.shared_experts * cfg.expert_width) % tp:
+        raise ValueError(f"tp={tp} must divide the shared experts' width {cfg.shared_experts}·{cfg.expert_width}")
+    tokens = (batch_size // dp // max(1, num_microbatches)) * (cfg.seq_len // cp) if batch_size % dp == 0 else 0
+    if cfg.num_experts and etp != tp and tokens % tp:
+        raise ValueError(f"etp={etp} ≠ tp={tp}: each tp rank routes 1/tp of a micro-batch's {tokens} tokens "
+                         f"on a rank, which must divide by tp")
     if pp > cfg.layers:
         raise ValueError(f"pp={pp} stages need at least {pp} layers, the model has {cfg.layers}")
     if num_microbatches < 1 or (batch_size // dp) % num_microbatches:
@@ -216,59 +230,6 @@ def _local_attention(q, k, v, *, causal: bool, layout: str, group) -> torch.Tens
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-class AuxLossAutoScaler(torch.autograd.Function):
-    """``AuxLossAutoScaler.apply(y, aux, scale)``: y unchanged forward; backward passes y's gradient
-    through and also gives ``aux`` the gradient ``scale`` (= ∂L/∂aux), so the aux loss is back-
-    propagated on the stage that computed it (Megatron-Core's ``MoEAuxLossAutoScaler``)."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.save_for_backward(aux)
-        ctx.scale = scale
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
-        (aux,) = ctx.saved_tensors
-        return grad_y, torch.full_like(aux, ctx.scale), None
-
-
-class ExpertParallelMLP(nn.Module):
-    """TinyGPT's MoE layer over (ep, tp): :class:`reference.moe.ExpertParallelMoE` over the ep
-    group (dropless), each local expert cut over tp as the dense MLP is (Megatron's default:
-    expert tensor parallel size = tp).  The experts are kept by global id, each ``(fc1, GELU,
-    fc2)`` as in TinyGPT, so ``moe.experts.5.0.weight`` is the single-process name.  The load-
-    balancing loss is that of all the dp_cp ranks' tokens (``aux_group`` = dp_cp), as one process
-    computes it over all B·S tokens (of one micro-batch with pp > 1).
-
-    ``aux_scale`` None (pp = 1): ``aux_loss`` is left for ``loss_fn``.  A number (pp > 1): the
-    output goes through :class:`AuxLossAutoScaler` with that ∂L/∂aux, and ``aux_weighted``
-    accumulates aux_scale · aux (the aux's share of the reported loss) over the step's micro-batches.
-    """
-
-    def __init__(self, moe_mlp: MoEMLP, tp_group, ep_group, aux_group, *, name: str = "mlp"):
-        super().__init__()
-        self.moe = ExpertParallelMoE.from_layer(moe_mlp.moe, ep_group, aux_group=aux_group)
-        ids = range(self.moe.first_expert, self.moe.first_expert + len(self.moe.experts))
-        self.moe.experts = nn.ModuleDict({
-            str(e): nn.Sequential(ColumnParallelLinear.from_linear(fc1, tp_group, name=f"{name}.moe.experts.{e}.0"),
-                                  nn.GELU(),
-                                  RowParallelLinear.from_linear(fc2, tp_group, name=f"{name}.moe.experts.{e}.2"))
-            for e, (fc1, _, fc2) in zip(ids, self.moe.experts)})
-        self.aux_loss = None
-        self.aux_scale: float | None = None
-        self.aux_weighted = 0.0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        S, B, d = x.shape
-        y, stats = self.moe(x.reshape(S * B, d))
-        self.aux_loss = stats["aux_loss"]
-        if self.aux_scale is not None:
-            y = AuxLossAutoScaler.apply(y, self.aux_loss, self.aux_scale)
-            self.aux_weighted += self.aux_scale * float(self.aux_loss.detach())
-        return y.view(S, B, d)
-
-
 # ----------------------------------------------------------------------------------------------
 # The model: one pipeline stage of it
 
@@ -329,6 +290,8 @@ class ParallelGPT(nn.Module):
         me = self.coords = grid.coords()
         self.grid = grid
         axes = ["tp", "cp", "dp", "dp_cp", "pp"] + (["ep", "edp"] if cfg.num_experts else [])
+        if cfg.num_experts and grid.etp != grid.tp:      # folded: the expert-tensor groups, the stage's routing ranks
+            axes += ["etp", "tp_dp_cp"]
         self.groups = AxisGroups((axis, grid.group(axis)) for axis in axes)       # every rank, same order
         tp = self.groups["tp"]
         sp = self.sequence_parallel = sequence_parallel and grid.tp > 1
@@ -376,11 +339,10 @@ class ParallelGPT(nn.Module):
                 pos = pos[me["tp"] * n:(me["tp"] + 1) * n]
             self.register_buffer("positions", pos, persistent=False)
 
-        # ep: my experts of each MoE layer (dropless all-to-all), each expert cut over tp like the MLP
+        # ep: my experts of each MoE layer (dropless all-to-all), each expert cut over etp (.moe_layer)
         for i, block in self.blocks.items():
             if isinstance(block.mlp, MoEMLP):
-                block.mlp = ExpertParallelMLP(block.mlp, tp, self.groups["ep"], self.groups["dp_cp"],
-                                              name=f"blocks.{i}.mlp")
+                block.mlp = ExpertParallelMLP(block.mlp, self.groups, grid, me, cfg, name=f"blocks.{i}.mlp")
         self.moe_layers = [b.mlp for b in self.blocks.values() if isinstance(b.mlp, ExpertParallelMLP)]  # my stage's
         self.num_moe = sum(cfg.is_moe(i) for i in range(cfg.layers))                                 # the model's
         self.scale_aux_losses(1)
@@ -400,9 +362,10 @@ class ParallelGPT(nn.Module):
         return [s.param for s in self.shards.values() if not s.expert]
 
     def sequence_parallel_params(self) -> list[nn.Parameter]:
-        """Replicated over tp but fed S/tp rows each under sequence parallelism: summed over tp."""
+        """Replicated over tp but fed S/tp rows each under sequence parallelism (and the routers of folded
+        MoE layers, each tp rank routing 1/tp of the tokens, .moe_layer): summed over tp."""
         if not self.sequence_parallel:
-            return []
+            return [p for mlp in self.moe_layers if mlp.splits for p in mlp.moe.router.parameters()]
         return [s.param for s in self.shards.values() if s.kind == "replicated" and not s.expert]
 
     # -- forward --------------------------------------------------------------------------------
@@ -426,14 +389,21 @@ class ParallelGPT(nn.Module):
 
     def scale_aux_losses(self, num_microbatches: int) -> None:
         """Before a step (and at construction, m = 1).  pp > 1: every MoE layer of this stage gets
-        ∂L/∂aux = aux_loss_coef / N_moe / m (its weight in the single-process loss, per micro-batch)
-        and its reported share is reset.  pp = 1: nothing (``loss_fn`` adds the aux losses)."""
+        ∂L/∂(α·aux + β·z) = 1 / N_moe / m (its weight in the single-process loss, per micro-batch)
+        and its reported share is reset.  pp = 1: nothing (``loss_fn`` adds the router losses)."""
         for mlp in self.moe_layers:
-            mlp.aux_scale = self.cfg.aux_loss_coef / self.num_moe / num_microbatches if self.grid.pp > 1 else None
+            mlp.aux_scale = 1 / self.num_moe / num_microbatches if self.grid.pp > 1 else None
             mlp.aux_weighted = 0.0
 
+    def update_expert_biases(self) -> None:
+        """After the optimizer step: loss-free balancing's bias step of this stage's MoE layers, the loads
+        summed over the ranks that route their tokens (one all-reduce of E numbers per layer)."""
+        if self.cfg.balance.startswith("loss_free"):
+            for mlp in self.moe_layers:
+                mlp.update_bias()
+
     def aux_share(self) -> float:
-        """pp > 1: Σ over this stage's MoE layers and the step's micro-batches of aux_scale · aux, this
+        """pp > 1: Σ over this stage's MoE layers and the step's micro-batches of aux_scale · (α·aux + β·z), this
         stage's part of the reported loss (the last stage's loss holds the cross-entropy only); 0 with pp = 1."""
         return sum(mlp.aux_weighted for mlp in self.moe_layers)
 
@@ -445,7 +415,10 @@ class ParallelGPT(nn.Module):
         lm = per_token.mean()
         if self.grid.pp > 1 or not self.moe_layers:
             return lm
-        return lm + self.cfg.aux_loss_coef * torch.stack([mlp.aux_loss for mlp in self.moe_layers]).mean()
+        loss = lm + self.cfg.aux_loss_coef * torch.stack([mlp.aux_loss for mlp in self.moe_layers]).mean()
+        if self.cfg.z_loss_coef:
+            loss = loss + self.cfg.z_loss_coef * torch.stack([mlp.z_loss for mlp in self.moe_layers]).mean()
+        return loss
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not (self.is_first and self.is_last):
@@ -465,8 +438,8 @@ class ParallelGPT(nn.Module):
 # Putting the parameters back together
 
 
-def _unshard_tp(t: torch.Tensor, kind: str, model: ParallelGPT) -> torch.Tensor:
-    W = model.grid.tp
+def _unshard_tp(t: torch.Tensor, kind: str, model: ParallelGPT, expert: bool = False) -> torch.Tensor:
+    W = model.grid.etp if expert else model.grid.tp
     if kind == "replicated" or W == 1:
         full = t.detach().clone()
     else:
@@ -481,10 +454,10 @@ def _unshard_tp(t: torch.Tensor, kind: str, model: ParallelGPT) -> torch.Tensor:
 def full_state_dict(model: ParallelGPT) -> dict[str, torch.Tensor]:
     """Every parameter of the single-process model, by its name, on every rank (collective).
 
-    tp shards are all-gathered (traced ``what="unshard"``), then the experts of the ep group and
-    the stages of the pp group are exchanged as Python objects.
+    tp shards are all-gathered (traced ``what="unshard"``; an expert's over etp, which is tp or 1), then
+    the experts of the ep group and the stages of the pp group are exchanged as Python objects.
     """
-    full = {name: _unshard_tp(s.param, s.kind, model) for name, s in model.shards.items()}
+    full = {name: _unshard_tp(s.param, s.kind, model, s.expert) for name, s in model.shards.items()}
     for axis in ("ep", "pp"):
         if model.grid.sizes[axis] > 1:
             parts = [None] * model.grid.sizes[axis]

@@ -2,8 +2,8 @@
 
 :func:`ddp_worker` trains the single-process tiny GPT wrapped in ``torch.nn.parallel.DistributedDataParallel``
 (gloo), each rank on its B/dp rows of the same batches, with ``torch.optim.Adam``: production's answer
-to "dp = N".  ``tests/compose/test_peers.py`` checks it gives the composed run's losses and
-parameters; ``benchmarks/compose.py`` times both.
+to "dp = N".  The full course's ``tests/compose/test_peers.py`` checks it gives the composed run's losses and
+parameters; the full course's ``benchmarks/compose.py`` times both.
 """
 from __future__ import annotations
 

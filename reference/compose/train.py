@@ -40,11 +40,15 @@ this rank, L_s blocks on its stage, d model width, [first]/[last] stage flags, n
 Wire bytes are what a ring algorithm sends (reference.comm.ring_bytes): all-reduce 2(n−1)/n of
 its input, all-gather (n−1)× the shard, reduce-scatter (n−1)/n of the input, p2p the message::
 
-    tp  (n = tp)  2(tp−1)/tp · b · [ T·d·(first + 4·L_dense + 2·L_moe + last) + 3·T·last
+    tp  (n = tp)  2(tp−1)/tp · b · [ T·d·(first + 4·L_dense + 2·L_moe + 2·L_shared + last) + 3·T·last
                                      + 2·d·R ]                            (no sequence parallelism)
                   embedding g, per block f(qkv)ᵇ g(proj)ᶠ f(fc1)ᵇ g(fc2)ᶠ, head f ᵇ, and the loss's
                   3 all-reduces of one number per token (max, Σexp, target logit); R = rows the
-                  local experts received (an expert's fc1/fc2 cost f + g on its rows).
+                  local experts received (an expert's fc1/fc2 cost f + g on its rows; a shared
+                  expert's f + g on all T tokens).  Folded (etp = 1 < tp, .moe_layer): the experts
+                  cost no tp message (R drops out); instead each MoE layer all-gathers its rows'
+                  outputs and, backward, their gradients, 2·(tp−1)·(T/tp)·d·b, and its router's
+                  gradient is summed over tp, 2(tp−1)/tp · b · E·d.
                   sequence parallel: every all-reduce of T·d becomes a reduce-scatter + an all-gather
                   of the same wire bytes, and each column-parallel layer (qkv, fc1, head) all-gathers
                   its input again in the backward (it saved only its T/tp rows: what="sp_regather"),
@@ -179,6 +183,7 @@ def train_step(model: ParallelGPT, optimizer: torch.optim.Optimizer, x: torch.Te
         if buckets is not None:
             buckets.finish()                                 # disarms the hooks; the step waits for the buckets
         norm = optimizer.step() if clip_grad_norm is None else optimizer.step(clip_grad_norm)
+        model.update_expert_biases()                         # loss-free balancing (.moe_layer)
         reported = _post_loss(model, loss)
     else:
         if buckets is not None:
@@ -192,6 +197,7 @@ def train_step(model: ParallelGPT, optimizer: torch.optim.Optimizer, x: torch.Te
         if clip_grad_norm is not None:
             norm = clip_grad_norm_(model, clip_grad_norm)
         optimizer.step()
+        model.update_expert_biases()                         # loss-free balancing (.moe_layer)
     model.grad_norm = norm
     return _reported(model, reported)
 
@@ -217,7 +223,7 @@ def axis_of(event) -> str:
     """
     m = event.meta
     what = m.get("what", "")
-    if m.get("operator") in ("f", "g", "g-bar", "sp-grad-sync") or what in _TP_WHAT:
+    if m.get("operator") in ("f", "g", "g-bar", "sp-grad-sync", "moe-gather") or what in _TP_WHAT:
         return "tp"
     if what in _EP_WHAT:
         return "ep"
@@ -260,15 +266,16 @@ def param_counts(cfg, grid, stage: int) -> tuple[int, int]:
     d, f, tp = cfg.d_model, cfg.d_ff, grid.tp
     layers = _stage_layers(cfg, grid, stage)
     attn = 4 * d + (3 * d * d + 3 * d + d * d) // tp + d          # ln1, ln2, qkv/tp, proj.weight/tp, proj.bias
-    ffn_sharded, ffn_bias2 = (2 * d * f + f) // tp, d             # fc1 weight+bias and fc2 weight / tp, fc2.bias
+    mlp = lambda width, cut: (2 * d * width + width) // cut + d   # noqa: E731  fc1 + fc2.weight cut, fc2.bias whole
     dense = expert = 0
     for i in layers:
         dense += attn
         if cfg.is_moe(i):
             dense += cfg.num_experts * d                          # router
-            expert += cfg.num_experts // grid.ep * (ffn_sharded + ffn_bias2)
+            dense += mlp(cfg.shared_experts * cfg.expert_width, tp) if cfg.shared_experts else 0
+            expert += cfg.num_experts // grid.ep * mlp(cfg.expert_width, grid.etp)
         else:
-            dense += ffn_sharded + ffn_bias2
+            dense += mlp(f, tp)
     V = padded_vocab(cfg.vocab, tp) // tp * d
     dense += (V + cfg.seq_len * d) * (stage == 0) + (V + 2 * d) * (stage == grid.pp - 1)
     return dense, expert
@@ -289,6 +296,8 @@ def expected_bytes(cfg, grid, coords: dict, batch_size: int, *, sequence_paralle
     layers = _stage_layers(cfg, grid, coords["pp"])
     L_moe = sum(cfg.is_moe(i) for i in layers)
     L_s, L_dense = len(layers), len(layers) - L_moe
+    L_shared = L_moe if cfg.shared_experts else 0
+    folded = grid.etp != tp                                       # .moe_layer: each tp rank routes 1/tp of the tokens
     ar = lambda n, x: 2 * (n - 1) * x // n                       # noqa: E731  ring all-reduce
     out = {}
     if tp > 1:
@@ -297,8 +306,12 @@ def expected_bytes(cfg, grid, coords: dict, batch_size: int, *, sequence_paralle
             out["tp"] = steps * ((tp - 1) * T * d * b * (10 * L_s + 2 * first + 3 * last) // tp
                                  + ar(tp, b * (3 * T * last + p_sp)))
         else:
-            out["tp"] = steps * ar(tp, b * (T * d * (first + 4 * L_dense + 2 * L_moe + last) + 3 * T * last)) \
-                + ar(tp, 2 * d * b * expert_rows)
+            out["tp"] = steps * ar(tp, b * (T * d * (first + 4 * L_dense + 2 * L_moe + 2 * L_shared + last)
+                                            + 3 * T * last))
+            if folded:      # my rows' outputs all-gathered (and their gradients, backward); routers Σ over tp
+                out["tp"] += steps * L_moe * (2 * (tp - 1) * (T // tp) * d * b + ar(tp, b * cfg.num_experts * d))
+            else:
+                out["tp"] += ar(tp, 2 * d * b * expert_rows)
     # dp_cp, cp and pp: the estimate of exercise 5c.3 (with sequence parallelism a stage boundary
     # carries the S/tp rows of this tp rank: d/tp features per token instead of d)
     sizes = {a: grid.sizes[a] for a in ("tp", "cp", "dp", "pp")}

@@ -34,7 +34,7 @@ class Adam:
 
     Why not torch.optim.Adam itself: constructing any torch.optim optimizer imports torch._dynamo,
     about 3 s of CPU per process — more than a whole run of this tiny model when 8 ranks share 2
-    cores.  (``tests/compose/test_train.py`` checks both give equal parameters.)
+    cores.  (the full course's ``tests/compose/test_train.py`` checks both give equal parameters.)
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):

@@ -2,19 +2,31 @@
 
     ddp_runs           one DataParallel backward per bucket setting, traced (the timeline widget),
                        and gradient accumulation with / without no_sync
+    profiled_run       one of those backwards under torch.profiler too: the course's trace and the
+                       profiler's, to write as Chrome trace files (write_chrome_traces) and draw side by side
     zero_memory        bytes held and bytes sent per step for DDP and ZeRO-1/2/3 at N = 1, 2, 4
     against_torch      DataParallel, ZeRO-1/2 and FSDP trained beside PyTorch's DistributedDataParallel,
                        ZeroRedundancyOptimizer and FSDP2 ``fully_shard``: the largest differences
 
-Their rank functions (``timeline_run``, ``no_sync_run``, ``zero_run``, ``train``) are in :mod:`.workers`.
+Their rank functions (``timeline_run``, ``profiled_timeline_run``, ``no_sync_run``, ``zero_run``, ``train``) are
+in :mod:`.workers`.
 """
 from __future__ import annotations
 
 from ..notebook.recorded import live_world, recordable
 from .models import layer_model, make_model
-from .workers import no_sync_run, timeline_run, train, zero_run
+from .workers import no_sync_run, profiled_timeline_run, timeline_run, train, zero_run
 
-__all__ = ["ddp_runs", "ddp_story", "zero_memory", "against_torch", "PEERS", "SETTINGS"]
+__all__ = ["ddp_runs", "ddp_story", "profiled_run", "write_chrome_traces", "chrome_lanes_of", "zero_memory",
+           "against_torch", "PEERS", "SETTINGS"]
+
+# what the timeline keeps of a traced backward: layers, gradients ready, its ends, CPU per thread, the buckets
+TIMELINE_OPS = ("compute", "grad_ready", "backward_start", "backward_end", "thread_cpu")
+
+
+def _timeline_events(trace):
+    from ..trace import Trace
+    return Trace(e for e in trace if e.op in TIMELINE_OPS or _gradient_all_reduce(e))
 
 
 def SETTINGS(width: int) -> dict[str, dict]:
@@ -50,7 +62,6 @@ def ddp_runs(world_size: int = 2, layers: int = 6, width: int = 512, rows: int =
     "no_sync": gradient accumulation over ``accum`` micro-batches with and without ``no_sync``:
     the gradient all-reduce bytes of rank 0, and the largest parameter difference between the two.
     """
-    from ..trace import Trace
     from ..widgets.buckets import step_exposed
     timelines, no_sync = {}, {}
     with live_world(world_size, {world_size: world} if world is not None else None) as world:
@@ -59,20 +70,107 @@ def ddp_runs(world_size: int = 2, layers: int = 6, width: int = 512, rows: int =
             for i in range(1 + repeats):
                 res = world.run(timeline_run, layers, width, rows, kw["bucket_cap_mb"], kw["overlap"])
                 if i:   # the first is a warm-up
-                    keep = Trace(e for e in res.trace
-                                 if e.op in ("compute", "grad_ready", "backward_start", "backward_end")
-                                 or (e.op == "all_reduce" and e.meta.get("what") == "grads")).relative()
+                    keep = _bucket_order(_timeline_events(res.trace).relative())
                     runs.append((step_exposed(keep), keep, res.values[0]))
             _, keep, buckets = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
             timelines[label] = {"trace": keep, "buckets": buckets}
         params = {}
         for use in (True, False):
             res = world.run(no_sync_run, accum, use)
-            no_sync[use] = sum(e.nbytes for e in res.trace.filter("all_reduce", rank=0, what="grads"))
+            no_sync[use] = sum(e.nbytes for e in res.trace.filter(rank=0) if _gradient_all_reduce(e))
             params[use] = res.values[0]
         diff = max(float((params[True][n] - params[False][n]).abs().max()) for n in params[True])
     return {"timelines": timelines, "no_sync": {"accum": accum, "bytes_with": no_sync[True],
                                                 "bytes_without": no_sync[False], "max_param_diff": diff}}
+
+
+def _gradient_all_reduce(e) -> bool:
+    """A bucket's all-reduce: ``what="grads"``, or no ``what`` at all (a learner's 3.2 need not say; in these
+    runs every all-reduce is a gradient bucket's)."""
+    return e.op == "all_reduce" and e.meta.get("what", "grads") == "grads"
+
+
+def _bucket_order(trace):
+    """``trace`` with each gradient all-reduce that lacks ``meta["bucket"]`` numbered by the order its rank
+    posted it in (buckets are posted strictly in order, on every rank alike)."""
+    from dataclasses import replace
+
+    from ..trace import Trace
+    posted: dict[int, int] = {}
+    out = []
+    for e in sorted(trace, key=lambda e: e.start):
+        if _gradient_all_reduce(e):
+            index = posted[e.rank] = posted.get(e.rank, -1) + 1
+            if "bucket" not in e.meta:
+                e = replace(e, meta={**e.meta, "bucket": index})
+        out.append(e)
+    return Trace(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# The same backward in a real profiler
+
+
+@recordable("03.profiled_run", needs=("3.2",))
+def profiled_run(world_size: int = 2, layers: int = 6, width: int = 512, rows: int = 256,
+                 setting: str = "2 layers per bucket", world=None) -> dict:
+    """One backward of :func:`ddp_runs`' ``setting`` (after a warm-up one), traced by the course and profiled by
+    ``torch.profiler`` on every rank at once.
+
+    Returns {"setting", "trace": the course's events of the step (times on the machine's monotonic clock),
+    "profiles": each rank's ``export_chrome_trace`` as a dict, "offsets": per rank, seconds from the course's
+    clock to its profiler's}."""
+    kw = SETTINGS(width)[setting]
+    with live_world(world_size, {world_size: world} if world is not None else None) as w:
+        res = w.run(profiled_timeline_run, layers, width, rows, kw["bucket_cap_mb"], kw["overlap"])
+    step = _timeline_events(res.trace)
+    last = [e for e in step if e.op == "backward_start"]
+    if last:      # the warm-up backward is in the trace too: keep the profiled one, after each rank's last start
+        begin = {e.rank: e.start for e in last}
+        step = type(step)(e for e in step if e.start >= begin[e.rank])
+    return {"setting": setting, "trace": step, "profiles": [v["profile"] for v in res.values],
+            "offsets": [v["offset"] for v in res.values]}
+
+
+def write_chrome_traces(run: dict, folder=None) -> dict[str, str]:
+    """Write :func:`profiled_run`'s two views of the step as Chrome trace files in ``folder`` (made if needed;
+    default the course's ``build/03``):
+    ``course_trace.json`` (``Trace.to_chrome``: a process per rank, compute and communication rows) and
+    ``profiler_trace.json`` (every rank's ``torch.profiler`` trace in one file, a process per rank).  Both open
+    in https://ui.perfetto.dev or chrome://tracing.  Returns {"course": path, "profiler": path}."""
+    import json
+    from pathlib import Path
+    from ..notebook.recorded import ROOT
+    folder = Path(folder) if folder is not None else ROOT / "build" / "03"
+    folder.mkdir(parents=True, exist_ok=True)
+    course = folder / "course_trace.json"
+    run["trace"].to_chrome(str(course))
+    merged = []
+    for r, doc in enumerate(run["profiles"]):
+        for e in doc["traceEvents"]:
+            if e.get("ph") == "M" and e.get("name") == "process_name" and isinstance(e.get("pid"), int):
+                e = {**e, "args": {"name": f"rank {r} (pid {e['pid']})"}}
+            merged.append(e)
+    profiler = folder / "profiler_trace.json"
+    with open(profiler, "w") as f:
+        json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, f)
+    return {"course": str(course), "profiler": str(profiler)}
+
+
+def chrome_lanes_of(run: dict, pad_ms: float = 2.0) -> dict:
+    """Both views of :func:`profiled_run` read back from their Chrome form as lanes (``widgets.chrome``), on one
+    clock: ms from the first event of the course's trace (the backward; the profiler also shows the forward
+    before it).  {"course", "profiler", "window": (start, end) ms}."""
+    from ..widgets.chrome import chrome_lanes
+    t0 = min(e.start for e in run["trace"])
+    end_ms = (max(e.end for e in run["trace"]) - t0) * 1e3
+    marks = [(e["ts"] / 1e6 - off - t0) * 1e3 for doc, off in zip(run["profiles"], run["offsets"])
+             for e in doc["traceEvents"] if e.get("name") == "course: clock" and e.get("ph") == "X"]
+    window = (min(marks + [0.0]) - pad_ms, end_ms + pad_ms)
+    course = chrome_lanes(run["trace"].to_chrome(), window_ms=window)
+    profiler = [lane for r, doc in enumerate(run["profiles"])
+                for lane in chrome_lanes(doc, shift_us=(run["offsets"][r] + t0) * 1e6, window_ms=window)]
+    return {"course": course, "profiler": profiler, "window": window}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ micro-step m comes from :func:`batch`; the single process concatenates every ran
 """
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm, trace
+from ..cpu_time import thread_cpu_seconds
 from .models import layer_model, make_model
 
 __all__ = ["batch", "wrap", "train", "OPTIMIZERS"]
@@ -154,13 +156,11 @@ def unused_on_some_ranks(bucket_cap_mb: float = 25.0, seed: int = 0) -> dict:
 
 def time_steps(methods: list[str], layers: int = 6, width: int = 512, rows: int = 64, steps: int = 10,
                warmup: int = 3, bucket_cap_mb: float = 25.0) -> list[list[float]]:
-    """Rank worker for ``benchmarks/data_parallel.py``: seconds of each training step (forward, backward,
+    """Worker of the full course's ``benchmarks/data_parallel.py``: seconds of each training step (forward, backward,
     AdamW step, zero_grad) of :func:`.models.layer_model` in float32, for each of ``methods`` (each its own
     model and optimizer, all in this world), after ``warmup`` steps each.  The methods take their steps in
     turn — step i of every method, then step i+1, the order reversed every other step — so the machine's
     load of any moment hits them alike; a barrier before every step."""
-    import time
-
     import torch.distributed as dist
 
     runs = []
@@ -188,7 +188,6 @@ def time_steps(methods: list[str], layers: int = 6, width: int = 512, rows: int 
 
 def _trace_backward_compute(model: nn.Module) -> None:
     """A ``compute`` event per Linear's backward (layer index in meta), for the timeline."""
-    import time
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     for i, m in enumerate(linears):
         def pre(mod, grad_out, i=i):
@@ -200,19 +199,71 @@ def _trace_backward_compute(model: nn.Module) -> None:
         m.register_full_backward_hook(post)
 
 
-def timeline_run(layers: int, width: int, rows: int, bucket_cap_mb: float, overlap: bool) -> list[list[str]]:
-    """Rank worker: one forward + backward of :func:`layer_model` under DataParallel; returns the buckets."""
+def _timeline_model(layers: int, width: int, rows: int, bucket_cap_mb: float, overlap: bool):
+    """The notebook's DataParallel model (backward traced layer by layer) and this rank's input."""
     from .ddp import DataParallel
     model = layer_model(layers, width)
     ddp = DataParallel(model, bucket_cap_mb=bucket_cap_mb, overlap=overlap)
     _trace_backward_compute(model)
     g = torch.Generator().manual_seed(comm.rank())
-    x = torch.randn(rows, width, generator=g)
+    return ddp, torch.randn(rows, width, generator=g)
+
+
+def _timeline_backward(ddp, x) -> None:
+    """One forward and a traced backward; a "thread_cpu" event holds the CPU seconds each role used in the backward
+    (``meta``: compute, communication), where /proc tells."""
     loss = ddp(x).pow(2).mean()
+    before = thread_cpu_seconds()
     trace.emit("backward_start")
     loss.backward()
     trace.emit("backward_end")
+    after = thread_cpu_seconds()
+    if before is not None and after is not None:
+        trace.emit("thread_cpu", **{k: after[k] - before[k] for k in after})
+
+
+def timeline_run(layers: int, width: int, rows: int, bucket_cap_mb: float, overlap: bool) -> list[list[str]]:
+    """Rank worker: one forward + backward of :func:`layer_model` under DataParallel; returns the buckets."""
+    ddp, x = _timeline_model(layers, width, rows, bucket_cap_mb, overlap)
+    _timeline_backward(ddp, x)
     return [b.names for b in ddp.buckets]
+
+
+def profiled_timeline_run(layers: int, width: int, rows: int, bucket_cap_mb: float, overlap: bool) -> dict:
+    """Rank worker: :func:`timeline_run`'s backward once more under ``torch.profiler`` (after a warm-up one).
+
+    Returns {"profile": the profiler's own Chrome trace (``export_chrome_trace``, loaded as a dict), "offset":
+    seconds to add to a course event's time to get the profiler's clock (both clocks read inside a
+    ``record_function("course: clock")`` span: the shortest of five), "buckets": the bucket names}."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+    ddp, x = _timeline_model(layers, width, rows, bucket_cap_mb, overlap)
+    _timeline_backward(ddp, x)                                     # warm-up: buffers, gloo's connections
+    reads = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        comm.barrier()                                             # every rank's profiler is running: start together
+        for _ in range(5):                                         # marks: both clocks read at once, five times
+            with record_function("course: clock"):
+                reads.append(time.perf_counter())
+        _timeline_backward(ddp, x)
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            doc = json.load(f)
+    finally:
+        os.unlink(path)
+    marks = sorted((e for e in doc["traceEvents"] if e.get("name") == "course: clock" and e.get("ph") == "X"),
+                   key=lambda e: e["ts"])
+    # the profiler's clock at a mark's middle, less the course's inside it: off by at most half the mark's length,
+    # so the shortest of the five (a rank descheduled inside one makes that one long)
+    offset = min(((m["ts"] + m["dur"] / 2) / 1e6 - t, m["dur"]) for m, t in zip(marks, reads))[0] \
+        if len(marks) == len(reads) else marks[0]["ts"] / 1e6 - reads[0]
+    return {"profile": doc, "offset": offset, "buckets": [b.names for b in ddp.buckets]}
 
 
 def no_sync_run(accum: int, use_no_sync: bool) -> dict:
@@ -257,7 +308,7 @@ def zero_run(sizes: tuple[int, ...], layers: int, width: int, rows: int) -> list
             step_events = (trace._events or [])[start:]
             sent = sum(e.meta.get("ring_bytes", 0) for e in step_events
                        if e.op in ("all_reduce", "reduce_scatter", "all_gather")
-                       and e.meta.get("what") in ("grads", "params"))
+                       and e.meta.get("what", "grads") in ("grads", "params"))   # (a learner's need not say)
             rows_out.append({"method": method, "N": N, **{k: v for k, v in mem.items() if k != "total"},
                              "ring_bytes": sent})
     return rows_out

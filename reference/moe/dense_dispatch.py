@@ -14,7 +14,7 @@ k·T rows of d numbers and nothing else: ``index_copy`` into the buffers, ``inde
 
 :func:`dense_vs_index` runs both on the same random routing on one process, checks that they give the
 same buffers and the same output, and times them — the notebook prints the ratio beside the FLOP
-count.  (``benchmarks/moe.py`` measures the whole fairscale layer against ours on 2 ranks.)
+count.  (The full course's ``benchmarks/moe.py`` measures the whole fairscale layer against ours on 2 ranks.)
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ data-parallel size:  ∂L/∂θ_e = (1/N) Σ_{r ∈ expert-dp} (rank r's gradien
 
 The classic bug divides by the expert-dp size N/EP instead, which is EP times too large (an
 all-reduce "average" over the group the gradient was reduced in).  With EP = 2 every expert's
-gradient comes out exactly 2×; ``tests/moe/test_parallel.py`` shows it.
+gradient comes out exactly 2×; the full course's ``tests/moe/test_parallel.py`` shows it.
 
 The balance loss.  L_r = task_r + α·aux + β·z_r, where aux is ONE value for a group G of ranks
 (the whole batch's, or the EP group's).  Each rank's backward reaches only its own tokens, so the

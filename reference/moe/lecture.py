@@ -259,3 +259,60 @@ def topk_quality(steps: int = 150, seeds: tuple = (0, 1, 2), num_experts: int = 
     return {"config": dict(size, steps=steps, seeds=tuple(seeds), num_experts=num_experts, batch_size=batch_size,
                            lr=lr, moe_every=moe_every, heldout_tokens=hx.numel()),
             "runs": runs, "cost": cost}
+
+
+# ---------------------------------------------------------------------------------- balancing over training
+
+BALANCE_SETTINGS = {                  # name: GPTConfig fields — no balancing, Switch's loss, DeepSeek-V3's bias
+    "none": {"balance": "aux", "aux_loss_coef": 0.0},
+    "aux": {"balance": "aux", "aux_loss_coef": 0.01},
+    "loss_free": {"balance": "loss_free", "aux_loss_coef": 0.0, "bias_update_rate": 0.01},
+}
+
+
+def balance_over_training(steps: int = 150, settings: dict | None = None, *, num_experts: int = 8, top_k: int = 2,
+                          router: str = "softmax", seed: int = 0, batch_size: int = 16, lr: float = 1e-2,
+                          d_model: int = 32, heads: int = 4, layers: int = 2, d_ff: int = 64, seq_len: int = 16,
+                          moe_every: int = 1) -> dict:
+    """The tiny GPT (reference.gpt, float64, one process, one thread) trained once per balance setting
+    (``settings``: name → GPTConfig fields, default :data:`BALANCE_SETTINGS`), from the same initial
+    weights: per step the expert loads of every MoE layer, their max/mean (mean over the layers: 1.0 is
+    perfectly balanced, E/k all on k experts), the loss, and each layer's loss-free bias after the step.
+
+    Returns {"config", "runs": {name: {"loss": [steps], "max_over_mean": [steps], "loads": [steps][layers][E],
+    "bias": [steps][layers][E]}}}.  The loads are the assignments each layer's router made in that step
+    (k per token), counted by a hook on its output, so they are the counts the loss-free bias step used.
+    """
+    from ..gpt import GPTConfig, TinyGPT, corpus, encode, train_single
+    from .layer import MoELayer
+    settings = BALANCE_SETTINGS if settings is None else settings
+    size = dict(d_model=d_model, heads=heads, layers=layers, d_ff=d_ff, seq_len=seq_len, num_experts=num_experts,
+                top_k=top_k, moe_every=moe_every, router=router)
+    _, alphabet = encode(corpus())
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    runs = {}
+    try:
+        for name, fields in settings.items():
+            torch.manual_seed(seed)
+            model = TinyGPT(GPTConfig(vocab=len(alphabet), **size, **fields)).double()
+            moe = [m for m in model.modules() if isinstance(m, MoELayer)]
+            step_loads, loads, biases = [], [], []
+            hooks = [m.register_forward_hook(
+                lambda _m, _i, out: step_loads.append(out[1]["tokens_per_expert"].double())) for m in moe]
+
+            def after(_step, _loss, moe=moe, step_loads=step_loads, loads=loads, biases=biases):
+                loads.append([t.tolist() for t in step_loads])
+                biases.append([m.expert_bias.tolist() for m in moe])
+                step_loads.clear()
+            try:
+                loss = train_single(steps, batch_size=batch_size, lr=lr, seed=seed, model=model, on_step=after)
+            finally:
+                for h in hooks:
+                    h.remove()
+            ratio = [sum(max(layer) / (sum(layer) / len(layer)) for layer in step) / len(step) for step in loads]
+            runs[name] = {"loss": loss, "max_over_mean": ratio, "loads": loads, "bias": biases}
+    finally:
+        torch.set_num_threads(old)
+    return {"config": dict(size, steps=steps, seed=seed, batch_size=batch_size, lr=lr, settings=settings),
+            "runs": runs}

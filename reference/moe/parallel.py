@@ -63,8 +63,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm, trace
-from .layer import MoELayer, emit_route, route
-from .routing import expert_capacity, load_balancing_loss, router_z_loss
+from .assignments import _by_expert, _experts_per_rank, _kept_assignments  # noqa: F401 (their home was here)
+from .experts import run_experts
+from .layer import BALANCES, MoELayer, balance_loss, emit_route, route
+from .placement import expert_nodes
+from .routing import check_node_limit, expert_capacity, loss_free_bias_update, router_z_loss
 
 __all__ = ["all_to_all", "dispatch", "combine", "dispatch_dropless", "combine_dropless", "ExpertParallelMoE",
            "mean_share"]
@@ -96,37 +99,6 @@ def all_to_all(x: torch.Tensor, send_splits: list[int] | None = None, recv_split
 
 # ----------------------------------------------------------------------------------------------
 # Padded, fixed-capacity dispatch and combine (exercise 5b.3)
-
-
-def _experts_per_rank(num_experts: int, group) -> tuple[int, int]:
-    """(W, E_local); ValueError (the same on every rank, before any message) if E % W != 0."""
-    W = comm.world_size(group)
-    if num_experts % W:
-        raise ValueError(f"{num_experts} experts cannot be split evenly over {W} ranks")
-    return W, num_experts // W
-
-
-def _kept_assignments(routing):
-    """(t, j) of the kept assignments and their expert e."""
-    t, j = torch.nonzero(routing["kept"], as_tuple=True)
-    return t, j, routing["expert_index"][t, j]
-
-
-def _by_expert(routing: dict, num_experts: int, padded: bool = False):
-    """The kept assignments sorted by (expert, slot), the order they are sent in; counts per expert.
-
-    padded: also check that each expert's slots are 0, 1, …, count - 1 (as :func:`top_k_gating` fills
-    them), so that its rows are the first ``count`` of its C in a padded buffer (:func:`_pad`)."""
-    T, k = routing["expert_index"].shape
-    t, j, e = _kept_assignments(routing)
-    order = (e * (k * T) + routing["slot"][t, j]).argsort()
-    t, j, e = t[order], j[order], e[order]
-    counts = torch.bincount(e, minlength=num_experts)
-    if padded:
-        first = torch.cumsum(counts, 0) - counts                                    # each expert's first row
-        if not torch.equal(routing["slot"][t, j], torch.arange(len(t), device=t.device) - first[e]):
-            raise ValueError("each expert's kept slots must be 0, 1, ..., count - 1 (as top_k_gating fills them)")
-    return t, j, counts
 
 
 def _pad(blocks: list[torch.Tensor], capacity: int) -> torch.Tensor:
@@ -295,44 +267,98 @@ class ExpertParallelMoE(nn.Module):
     give the router α/|G| of the aux gradient.  So the aux loss returned here has the group's value
     and |G| times the local gradient, the gradient of this rank's share s_r of a loss that is a
     mean over ranks, aux = (1/|G|) Σ_r s_r.  One step then gives the single-process gradient of
-    mean task + α·aux + β·z over the whole batch (``tests/moe/test_parallel.py``).
+    mean task + α·aux + β·z over the whole batch (the full course's ``tests/moe/test_parallel.py``).
+
+    ``aux_ranks``: the factor of :func:`mean_share` when the gradients are later reduced over fewer
+    ranks than ``aux_group`` holds (default |G|).
 
     In capacity mode every rank must pass the same T (GShard's equal-sized groups); dropless mode
     takes any T per rank.  Inputs are checked with one small all-reduce first: a bad shape or an
     uneven T on any rank raises ValueError on every rank.
+
+    The frontier options are :class:`MoELayer`'s, copied by :meth:`from_layer` (router kind, balance and
+    the loss-free ``expert_bias``, shared experts — a replica, like the router —, ``experts_impl``),
+    and the layer's own: ``overlap=True`` (dropless: two halves, each half's all-to-alls in flight
+    while the other half's experts run, :mod:`.overlap`) and ``max_nodes`` with ``devices_per_node``
+    (each token's experts on at most M nodes of the group's ranks, :mod:`.placement`).
     """
 
     def __init__(self, router: nn.Linear, experts: nn.ModuleList | nn.ModuleDict, *, num_experts: int, k: int,
                  capacity_factor: float, dropless: bool, group=None, jitter: float = 0.0,
-                 random_second_expert: bool = False, aux_group="ep"):
+                 random_second_expert: bool = False, aux_group="ep", router_kind: str = "softmax",
+                 balance: str = "aux", bias_update_rate: float = 1e-3, shared: nn.Module | None = None,
+                 experts_impl: str = "loop", overlap: bool = False, max_nodes: int | None = None,
+                 devices_per_node: int | None = None, aux_ranks: int | None = None):
         super().__init__()
+        if balance not in BALANCES:
+            raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+        if overlap and not dropless:
+            raise ValueError("overlap=True splits the dropless path's all-to-alls (use dropless=True)")
+        if max_nodes is not None and not devices_per_node:
+            raise ValueError("max_nodes needs devices_per_node (which ranks share a node)")
         self.router, self.experts = router, experts
         self.num_experts, self.k, self.capacity_factor, self.dropless = num_experts, k, capacity_factor, dropless
         self.jitter, self.random_second_expert = jitter, random_second_expert
-        self.group, self.aux_group = group, aux_group
+        self.group, self.aux_group, self.aux_ranks = group, aux_group, aux_ranks
         self.d_model = router.in_features
+        self.router_kind, self.balance, self.bias_update_rate = router_kind, balance, bias_update_rate
+        self.experts_impl, self.overlap, self.max_nodes = experts_impl, overlap, max_nodes
+        if shared is not None:
+            self.shared = shared
+        self.add_shared = True          # False: the caller runs ``shared`` itself (reference.compose's folded layer)
+        self.node_of_expert = None
+        if max_nodes is not None:
+            g = _world_if_none(group)
+            ranks = list(range(comm.world_size(g))) if g is None else [comm.global_rank(g, i)
+                                                                        for i in range(comm.world_size(g))]
+            self.node_of_expert = torch.tensor(expert_nodes(num_experts, ranks, devices_per_node))
+            check_node_limit(self.node_of_expert, max_nodes, k)
+        self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=balance.startswith("loss_free"))
+        self.register_buffer("load", torch.zeros(num_experts), persistent=False)
 
     @classmethod
-    def from_layer(cls, layer: MoELayer, group=None, aux_group="ep") -> ExpertParallelMoE:
-        """Keep the router (copied) and experts ``[r·E/W, (r+1)·E/W)`` (copied) of ``layer``."""
+    def from_layer(cls, layer: MoELayer, group=None, aux_group="ep", **options) -> ExpertParallelMoE:
+        """Keep the router, the shared experts and the loss-free bias (copied) and experts
+        ``[r·E/W, (r+1)·E/W)`` (copied) of ``layer``.  ``options``: overlap, max_nodes, devices_per_node,
+        aux_ranks (the layer's own, class docstring)."""
         W, r, E = comm.world_size(group), comm.rank(group), layer.num_experts
         if E % W:
             raise ValueError(f"{E} experts cannot be split evenly over {W} ranks")
         E_local = E // W
         experts = nn.ModuleList(copy.deepcopy(layer.experts[i]) for i in range(r * E_local, (r + 1) * E_local))
-        return cls(copy.deepcopy(layer.router), experts, num_experts=E, k=layer.k,
-                   capacity_factor=layer.capacity_factor, dropless=layer.dropless, group=group,
-                   jitter=layer.jitter, random_second_expert=layer.random_second_expert, aux_group=aux_group)
+        ep = cls(copy.deepcopy(layer.router), experts, num_experts=E, k=layer.k,
+                 capacity_factor=layer.capacity_factor, dropless=layer.dropless, group=group,
+                 jitter=layer.jitter, random_second_expert=layer.random_second_expert, aux_group=aux_group,
+                 router_kind=layer.router_kind, balance=layer.balance, bias_update_rate=layer.bias_update_rate,
+                 shared=copy.deepcopy(layer.shared) if layer.shared_experts else None,
+                 experts_impl=layer.experts_impl, **options)
+        ep.expert_bias = layer.expert_bias.detach().clone()
+        ep.load = torch.zeros_like(layer.load)
+        return ep
 
-    def _aux_loss(self, probs: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
-        """The load-balancing loss over ``aux_group``'s tokens, its local gradient scaled by |G|."""
+    def _aux_loss(self, probs: torch.Tensor, expert_index: torch.Tensor, sequence=None,
+                  num_sequences=None) -> torch.Tensor:
+        """The balance loss over ``aux_group``'s tokens, its local gradient scaled by |G| (or ``aux_ranks``)."""
         if isinstance(self.aux_group, str) and self.aux_group not in ("ep", "local"):
             raise ValueError(f'aux_group must be "ep", "local" or a process group, got {self.aux_group!r}')
+        kw = dict(sequence=sequence, num_sequences=num_sequences)
         if isinstance(self.aux_group, str) and self.aux_group == "local":
-            return load_balancing_loss(probs, expert_index, self.num_experts)
+            return balance_loss(self.balance, probs, expert_index, self.num_experts, **kw)
         group = _world_if_none(self.group if isinstance(self.aux_group, str) else self.aux_group)
-        aux = load_balancing_loss(probs, expert_index, self.num_experts, group=group)
-        return mean_share(aux, comm.world_size(group) if dist.is_initialized() else 1)
+        aux = balance_loss(self.balance, probs, expert_index, self.num_experts, group=group, **kw)
+        ranks = self.aux_ranks or (comm.world_size(group) if dist.is_initialized() else 1)
+        return mean_share(aux, ranks)
+
+    def gating(self) -> dict:
+        """The keyword arguments of :func:`top_k_routing` this layer routes with (as :meth:`MoELayer.gating`)."""
+        return dict(router=self.router_kind, bias=self.expert_bias if self.balance.startswith("loss_free") else None,
+                    node_of_expert=self.node_of_expert, max_nodes=self.max_nodes)
+
+    def update_bias(self, group=None) -> None:
+        """:meth:`MoELayer.update_bias`: the loads summed over ``group`` — every rank that routes tokens."""
+        if self.balance.startswith("loss_free"):
+            loss_free_bias_update(self.expert_bias, self.load, self.bias_update_rate, group=group)
+        self.load.zero_()
 
     def local_experts(self) -> list[nn.Module]:
         """This rank's experts in order: ``experts`` is a ModuleList, or a ModuleDict keyed by global
@@ -398,21 +424,28 @@ class ExpertParallelMoE(nn.Module):
         local_expert = torch.arange(E_local).repeat(recv_counts.shape[0])            # per (source, expert) block
         row_expert = torch.repeat_interleave(local_expert, recv_counts.flatten())    # (N,)
         perm = torch.argsort(row_expert, stable=True)                                # rows, expert-major
-        parts = x_recv.index_select(0, perm).split(recv_counts.sum(0).tolist())
-        out_sorted = torch.cat([expert(part) for expert, part in zip(self.local_experts(), parts)])
+        out_sorted = run_experts(self.local_experts(), x_recv.index_select(0, perm), recv_counts.sum(0).tolist(),
+                                 self.experts_impl)
         return out_sorted.index_select(0, torch.argsort(perm))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def forward(self, x: torch.Tensor, sequence: torch.Tensor | None = None,
+                num_sequences: int | None = None) -> tuple[torch.Tensor, dict]:
         self._check_input(x)
         T, E, group = x.shape[0], self.num_experts, self.group
         capacity = None if self.dropless else expert_capacity(T, E, self.k, self.capacity_factor)
         logits, routing = route(x, self.router, k=self.k, capacity=capacity, num_experts=E, jitter=self.jitter,
-                                random_second_expert=self.random_second_expert, training=self.training)
+                                random_second_expert=self.random_second_expert, training=self.training,
+                                gating=self.gating())
         emit_route(routing, num_experts=E, capacity=capacity, k=self.k, where="expert_parallel")
         idx, kept = routing["expert_index"], routing["kept"]
-        aux_loss = self._aux_loss(routing["probs"], idx)
+        if self.training and torch.is_grad_enabled():
+            self.load += torch.bincount(idx.flatten(), minlength=E).to(self.load.dtype)
+        aux_loss = self._aux_loss(routing["probs"], idx, sequence, num_sequences)
 
-        if self.dropless:
+        if self.dropless and self.overlap:
+            from .overlap import overlapped_dropless
+            y = overlapped_dropless(self, x, routing)
+        elif self.dropless:
             x_recv, recv_counts = dispatch_dropless(x, routing, E, group)
             per_expert = recv_counts.sum(0)                                         # (E_local,)
             with trace.span("compute", what="experts", tokens_per_expert=per_expert.tolist()):
@@ -424,6 +457,8 @@ class ExpertParallelMoE(nn.Module):
             with trace.span("compute", what="experts", tokens_per_expert=filled.sum(0).tolist()):
                 out = self._run_experts_padded(x_recv, filled, capacity)
             y = _combine_rows(out, routing, E, capacity, group)                     # combine, untransposed
+        if getattr(self, "shared", None) is not None and self.add_shared:
+            y = y + self.shared(x)
 
         kept_per_expert = torch.bincount(idx[kept], minlength=E)
         stats = {

@@ -14,7 +14,23 @@ Every choice below is pinned down, with where it comes from and where public cod
 Softmax order — softmax over all experts, THEN top-k (Switch arXiv:2101.03961 §2.1, GShard
     arXiv:2006.16668 Alg. 1).  Top-k first and a softmax over the k survivors (Mixtral-style code)
     gives the same top-2 weights, but for k = 1 it always gives weight 1.0, so the router receives
-    no gradient through the weight.  Some recent models use a sigmoid instead (not here).
+    no gradient through the weight.
+
+Sigmoid router (``router="sigmoid"``, DeepSeek-V3 arXiv:2412.19437 eq. 13-15): each expert's score
+    is its own ``s_{t,e} = sigmoid(h_{t,e})`` (no competition between experts), the top k are
+    chosen and their weights are the scores normalised over the chosen k, ``w_j = s_j / Σ_k s``.
+    (For k = 1 that would always be 1 — no router gradient — so top-1 keeps the raw score, as
+    softmax's top-1 keeps the raw probability.)  ``probs`` is then ``s / Σ_e s``, the scores
+    normalised over all experts, the "P" the balance losses use (DeepSeek-V3 eq. 19).
+
+Loss-free balancing (DeepSeek-V3 §2.1.2; Wang et al. arXiv:2408.15664): a bias ``b_e`` per expert is
+    ADDED to the scores for CHOOSING the top k only — never to the combine weights — and nudged
+    after each step towards the mean load (:func:`loss_free_bias_update`).
+
+Node-limited routing (DeepSeek-V3 §2.1.2, "at most M nodes"): each token first picks the M nodes
+    whose experts score highest (a node's score: the sum of its ⌈k/M⌉ best scores), then its top k
+    among those nodes' experts only (:func:`node_limited_mask`): a token's all-to-all reaches at
+    most M nodes whatever k is.
 
 Combine weights — top-1 (Switch): ``w = p_{t,e}``, the raw probability.  Top-2 (GShard): the two
     probabilities renormalised, ``w_j = p_j / (p_1 + p_2)``, BEFORE any capacity dropping: a dropped
@@ -52,7 +68,10 @@ import torch.nn.functional as F
 from .. import comm
 
 __all__ = ["expert_capacity", "top_k_gating", "load_balancing_loss", "router_z_loss",
-           "router_dtype", "gshard_random_routing"]
+           "router_dtype", "gshard_random_routing", "ROUTERS", "top_k_routing", "node_limited_mask",
+           "sequence_balance_loss", "loss_free_bias_update", "sequence_ids"]
+
+ROUTERS = ("softmax", "sigmoid")
 
 
 def router_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -96,6 +115,13 @@ def top_k_gating(logits: torch.Tensor, k: int, capacity: int | None) -> dict[str
     top_p, expert_index = probs.topk(k, dim=-1)                                  # (T, k)
     weight = top_p if k == 1 else top_p / top_p.sum(dim=-1, keepdim=True)
 
+    kept, slot = _slots(expert_index, E, capacity)
+    return {"probs": probs, "expert_index": expert_index, "weight": weight, "kept": kept, "slot": slot}
+
+
+def _slots(expert_index: torch.Tensor, E: int, capacity: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept, slot), each (T, k), for the choices ``expert_index`` (T, k) in :func:`top_k_gating`'s slot order."""
+    T, k = expert_index.shape
     # Priority order: entry j·T + t is choice j of token t.  Its position = how many earlier entries
     # chose the same expert: a stable sort by expert keeps the priority order within each expert,
     # so position = rank in the sorted order - where its expert's run starts.  O(k·T log k·T), not
@@ -110,7 +136,90 @@ def top_k_gating(logits: torch.Tensor, k: int, capacity: int | None) -> dict[str
 
     kept = torch.ones_like(position, dtype=torch.bool) if capacity is None else position < capacity
     slot = torch.where(kept, position, torch.full_like(position, -1))
+    return kept, slot
+
+
+def top_k_routing(logits: torch.Tensor, k: int, capacity: int | None, *, router: str = "softmax",
+                 bias: torch.Tensor | None = None, node_of_expert: torch.Tensor | None = None,
+                 max_nodes: int | None = None) -> dict[str, torch.Tensor]:
+    """:func:`top_k_gating` with the frontier options: the same dict, the same slots.
+
+    logits: (T, E) router logits.  router: "softmax" (Switch/GShard) or "sigmoid" (DeepSeek-V3).
+    bias: (E,) added to the scores for choosing the top k only (loss-free balancing).  node_of_expert
+    (E,) and max_nodes M: each token chooses among the experts of its M best nodes only
+    (:func:`node_limited_mask`).  Returns a dict of tensors:
+
+        probs         (T, E) float32+  softmax over all experts (sigmoid: the scores normalised over all)
+        expert_index  (T, k) long      experts chosen, best first
+        weight        (T, k) float32+  combine weights: k = 1 the raw probability / score; k >= 2
+                                       renormalised over the k chosen, before dropping (GShard, DeepSeek-V3)
+        kept          (T, k) bool      the assignment got a slot
+        slot          (T, k) long      position in its expert's buffer, -1 if dropped
+
+    Slots as :func:`top_k_gating` assigns them.  With the defaults it IS :func:`top_k_gating`.
+    """
+    if router == "softmax" and bias is None and max_nodes is None:
+        return top_k_gating(logits, k, capacity)
+    T, E = logits.shape
+    if not 1 <= k <= E:
+        raise ValueError(f"k must be between 1 and the number of experts ({E}), got {k}")
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+    h = logits.to(router_dtype(logits.dtype))
+    if router == "softmax":
+        scores = probs = torch.softmax(h, dim=-1)                                 # (T, E)
+    else:
+        scores = torch.sigmoid(h)                                                 # (T, E), each in (0, 1)
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+    choice = scores if bias is None else scores + bias.to(scores.dtype)           # bias: for choosing only
+    if max_nodes is not None:
+        if node_of_expert is None:
+            raise ValueError("max_nodes needs node_of_expert (the node each expert lives on)")
+        choice = choice.masked_fill(~node_limited_mask(choice.detach(), node_of_expert, max_nodes, k), float("-inf"))
+    expert_index = choice.detach().topk(k, dim=-1).indices                        # (T, k)
+    top = scores.gather(1, expert_index)
+    weight = top if k == 1 else top / top.sum(dim=-1, keepdim=True)
+
+    kept, slot = _slots(expert_index, E, capacity)
     return {"probs": probs, "expert_index": expert_index, "weight": weight, "kept": kept, "slot": slot}
+
+
+def node_limited_mask(scores: torch.Tensor, node_of_expert: torch.Tensor, max_nodes: int, k: int) -> torch.Tensor:
+    """(T, E) bool: the experts on each token's ``max_nodes`` best nodes (DeepSeek-V3's node-limited routing).
+
+    scores: (T, E) the scores the top k is chosen from (bias included); node_of_expert: (E,) long, the
+    node each expert lives on.  A node's score for a token is the sum of its ⌈k/M⌉ best experts'
+    scores (fewer if it holds fewer); ties go to the lower node.  ValueError if M nodes cannot hold
+    k experts.
+    """
+    check_node_limit(node_of_expert, max_nodes, k)
+    nodes = torch.unique(node_of_expert)
+    if max_nodes >= len(nodes):
+        return torch.ones_like(scores, dtype=torch.bool)
+    per_node = [(node_of_expert == n).nonzero().flatten() for n in nodes.tolist()]
+    g = -(-k // max_nodes)
+    node_score = torch.stack([scores[:, p].topk(min(g, len(p)), dim=-1).values.sum(-1) for p in per_node], 1)
+    best = node_score.topk(max_nodes, dim=-1).indices                                         # (T, M)
+    chosen_nodes = torch.zeros_like(node_score, dtype=torch.bool).scatter_(1, best, True)     # (T, N)
+    column = torch.searchsorted(nodes, node_of_expert)                                         # (E,) node column
+    return chosen_nodes[:, column]
+
+
+def check_node_limit(node_of_expert, max_nodes: int, k: int) -> None:
+    """ValueError unless any ``max_nodes`` nodes of ``node_of_expert`` hold at least k experts (checked when a
+    layer is built: every rank raises the same, before any message)."""
+    counts = sorted(torch.bincount(torch.as_tensor(node_of_expert)).tolist())
+    counts = [c for c in counts if c]
+    if max_nodes < 1 or sum(counts[:max_nodes]) < k:
+        raise ValueError(f"max_nodes={max_nodes}: the {max_nodes} smallest nodes hold fewer than k={k} experts "
+                         f"(experts per node: {counts})")
+
+
+def sequence_ids(batch: int, seq_len: int, *, sequence_first: bool = False, first: int = 0) -> torch.Tensor:
+    """The sequence of each token of a flattened (batch, seq_len) — or (seq_len, batch) if ``sequence_first``
+    — block of tokens, numbered from ``first`` (for :func:`load_balancing_loss`'s sequence-wise loss)."""
+    b = torch.arange(first, first + batch)
+    return b.repeat(seq_len) if sequence_first else b.repeat_interleave(seq_len)
 
 
 def gshard_random_routing(routing: dict[str, torch.Tensor], num_experts: int, capacity: int | None, *,
@@ -180,6 +289,65 @@ def load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor, num_exp
     f = counts / (k * tokens)
     P = prob_sum / tokens
     return num_experts * (f * P).sum()
+
+
+def sequence_balance_loss(probs: torch.Tensor, expert_index: torch.Tensor, num_experts: int, *,
+                        group=None, sequence: torch.Tensor | None = None,
+                        num_sequences: int | None = None) -> torch.Tensor:
+    """:func:`load_balancing_loss` per sequence (DeepSeek-V3's L_Bal, arXiv:2412.19437 eq. 17-20), averaged.
+
+    ``sequence`` (T,) long gives each token's sequence (0 … num_sequences − 1, :func:`sequence_ids`;
+    None: all one sequence, then it IS :func:`load_balancing_loss`).  f and P are taken over each
+    sequence's tokens alone and the loss is the MEAN over the sequences of E · Σ_i f_si · P_si: it
+    balances every sequence, not just the batch (a batch whose sequences each favour one expert is
+    balanced as a whole, not sequence by sequence).  ``group``: as :func:`load_balancing_loss` — each
+    rank puts its tokens' statistics at their sequences' global numbers, so ranks may hold parts
+    of the same sequences (context parallelism); the value is the group's, the gradient local.
+    DeepSeek-V3 weighs it by α = 0.0001, as a guard beside loss-free balancing.
+    """
+    T, k = expert_index.shape
+    if sequence is None:
+        return load_balancing_loss(probs, expert_index, num_experts, group=group)
+    if num_sequences is None:
+        num_sequences = int(sequence.max()) + 1 if T else 1
+    S, E = num_sequences, num_experts
+    cell = (sequence.unsqueeze(1) * E + expert_index).flatten()                          # (T·k,) sequence × expert
+    counts = torch.bincount(cell, minlength=S * E).to(probs.dtype).view(S, E)          # (S, E)
+    prob_sum = probs.new_zeros(S, E).index_add(0, sequence, probs)                      # (S, E)
+    tokens = torch.bincount(sequence, minlength=S).to(probs.dtype)                      # (S,)
+    if group is not None and comm.world_size(group) > 1:
+        packed = torch.cat([counts.flatten(), prob_sum.detach().flatten(), tokens])
+        comm.all_reduce(packed, group=group, what="aux_loss")
+        counts, group_prob_sum = packed[:S * E].view(S, E), packed[S * E:2 * S * E].view(S, E)
+        tokens = packed[2 * S * E:]
+        prob_sum = prob_sum + (group_prob_sum - prob_sum.detach())   # value global, gradient local
+    tokens = tokens.clamp(min=1).unsqueeze(1)                                           # (S, 1)
+    f = counts / (k * tokens)
+    P = prob_sum / tokens
+    return (num_experts * (f * P).sum(dim=1)).mean()
+
+
+def loss_free_bias_update(bias: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float, *,
+                          group=None) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free bias update (arXiv:2412.19437 §2.1.2), in place; returns ``bias``.
+
+        load_e = tokens routed to expert e this step, summed over EVERY rank that routes tokens
+        b_e  ←  b_e + γ · sign(mean_e load − load_e)
+
+    bias: (E,) the per-expert bias added to the scores for choosing the top k; tokens_per_expert: (E,)
+    this rank's assignments per expert since the last update (all its micro-batches); rate: γ
+    (DeepSeek-V3: 0.001).  ``group``: the ranks that route tokens — on a composed grid every data ×
+    context rank (not just the expert-parallel group, whose ranks see only part of the batch: each
+    replica would then step its bias on a different count and the replicas would drift apart).
+    One all-reduce of E numbers; every rank ends with the same bias.  An overloaded expert's bias
+    drops by γ, an underloaded one's rises by γ, a balanced one's (load = mean) stays.
+    """
+    load = tokens_per_expert.detach().to(torch.float64).clone()
+    if group is not None and comm.world_size(group) > 1:
+        comm.all_reduce(load, group=group, what="expert_load")
+    with torch.no_grad():
+        bias.add_(rate * torch.sign(load.mean() - load).to(bias.dtype))
+    return bias
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Rank functions of lecture 5b: the expert-parallel layer against the single-process one, and the
 rank side of the notebook's runs (:mod:`.lecture`: routing, a toy MoE trained, FLOPs per token).
 
-The checks (``tests/test_moe_*.py``, handy in a notebook too) each run on every rank of a world,
+The full course's checks (``tests/test_moe_*.py``, handy in a notebook too) each run on every rank of a world,
 builds the same seeded :class:`MoELayer` everywhere, computes the single-process ground truth for
 the whole batch on each rank (cheap at test sizes), runs the expert-parallel layer on this
 rank's share, and returns both as plain tensors for the caller to compare.
@@ -12,9 +12,10 @@ import torch
 
 from .. import comm
 from .grad_sync import sync_moe_gradients
-from .layer import MoELayer
+from .layer import MoELayer, balance_loss
 from .parallel import ExpertParallelMoE
-from .routing import load_balancing_loss
+from .placement import expert_nodes
+from .routing import load_balancing_loss, top_k_routing
 
 
 def _grads(module) -> list[torch.Tensor]:
@@ -30,16 +31,31 @@ def _skew_router(layer: MoELayer, hot_experts: list[int]) -> None:
             layer.router.weight[e, 0] = 3.0 + 0.5 * i
 
 
+LAYER_OPTIONS = ("router", "shared_experts", "activation", "balance", "experts_impl")
+
+
 def make_case(cfg: dict, world_size: int):
-    """The seeded layer, per-rank inputs and upstream gradients for one test case."""
+    """The seeded layer, per-rank inputs and upstream gradients for one test case.
+
+    Frontier options in ``cfg``: :class:`MoELayer`'s ``LAYER_OPTIONS``; ``bias_scale`` (a random loss-free
+    bias of that size, so that it changes the routing); ``max_nodes`` with ``devices_per_node`` (the
+    experts' nodes as an expert-parallel group over the whole world places them); ``dtype``."""
     torch.manual_seed(cfg.get("seed", 0))
     E, d, d_ff = cfg["num_experts"], cfg.get("d_model", 6), cfg.get("d_ff", 10)
+    extra = {key: cfg[key] for key in LAYER_OPTIONS if key in cfg}
+    if cfg.get("max_nodes"):
+        extra.update(max_nodes=cfg["max_nodes"],
+                     node_of_expert=expert_nodes(E, list(range(world_size)), cfg["devices_per_node"]))
     layer = MoELayer(d, d_ff, E, k=cfg["k"], capacity_factor=cfg.get("capacity_factor", 1.0),
-                     dropless=cfg.get("dropless", False)).double()
+                     dropless=cfg.get("dropless", False), **extra).to(cfg.get("dtype", torch.float64))
+    if cfg.get("bias_scale"):
+        with torch.no_grad():
+            layer.expert_bias.copy_(cfg["bias_scale"] * torch.randn(E, dtype=layer.expert_bias.dtype))
     T = cfg.get("tokens", 16)
     sizes = [T + (r * cfg.get("uneven", 0)) for r in range(world_size)]
-    xs = [cfg.get("scale", 1.0) * torch.randn(n, d, dtype=torch.float64) for n in sizes]
-    gs = [torch.randn(n, d, dtype=torch.float64) for n in sizes]
+    dtype = cfg.get("dtype", torch.float64)
+    xs = [cfg.get("scale", 1.0) * torch.randn(n, d, dtype=dtype) for n in sizes]
+    gs = [torch.randn(n, d, dtype=dtype) for n in sizes]
     if cfg.get("hot_experts"):
         _skew_router(layer, cfg["hot_experts"])
         for x in xs:
@@ -47,21 +63,39 @@ def make_case(cfg: dict, world_size: int):
     return layer, xs, gs
 
 
-def single_process_truth(layer: MoELayer, xs, gs, c_aux: float, c_z: float, aux_batches=None) -> dict:
+def sequences_of(cfg: dict, sizes: list[int]) -> list[tuple[torch.Tensor, int] | None]:
+    """Per rank: (its tokens' global sequence ids, number of sequences), ``cfg["seqs_per_rank"]`` s equal
+    sequences of each rank's tokens numbered r·s …; None without it."""
+    s = cfg.get("seqs_per_rank")
+    if not s:
+        return [None] * len(sizes)
+    return [(r * s + torch.arange(s).repeat_interleave(n // s), len(sizes) * s) for r, n in enumerate(sizes)]
+
+
+def single_process_truth(layer: MoELayer, xs, gs, c_aux: float, c_z: float, aux_batches=None,
+                         seqs=None) -> dict:
     """Ground truth, one process: rank r's tokens are one routing group of ``layer``, and the
     objective is the mean over the ranks of their task and z-losses plus the balance loss:
 
         J = (1/N) Σ_r <g_r, y_r>  +  c_aux · aux  +  c_z · (1/N) Σ_r z_r
 
     aux_batches: lists of ranks whose tokens one balance loss covers (default: all of them, the
-    whole batch); aux is the mean of those losses (per routing group: [[0], [1], ...])."""
+    whole batch); aux is the mean of those losses (per routing group: [[0], [1], ...]).  The balance
+    loss is the layer's own (``layer.balance``: Switch's, sequence-wise over ``seqs`` (per rank, as
+    :func:`sequences_of`), or none)."""
     layer.zero_grad()
     N = len(xs)
     xs = [x.clone().requires_grad_() for x in xs]
     ys, stats = zip(*(layer(x) for x in xs))
     batches = aux_batches or [list(range(N))]
-    auxes = [load_balancing_loss(torch.cat([stats[m]["routing"]["probs"] for m in b]),
-                                 torch.cat([stats[m]["routing"]["expert_index"] for m in b]), layer.num_experts)
+    seqs = seqs or [None] * N
+
+    def seq(b):
+        if seqs[b[0]] is None:
+            return {}
+        return dict(sequence=torch.cat([seqs[m][0] for m in b]), num_sequences=seqs[b[0]][1])
+    auxes = [balance_loss(layer.balance, torch.cat([stats[m]["routing"]["probs"] for m in b]),
+                          torch.cat([stats[m]["routing"]["expert_index"] for m in b]), layer.num_experts, **seq(b))
              for b in batches]
     aux = sum(auxes) / len(auxes)
     J = sum((g * y).sum() for g, y in zip(gs, ys)) / N + c_aux * aux + c_z * sum(s["z_loss"] for s in stats) / N
@@ -70,6 +104,7 @@ def single_process_truth(layer: MoELayer, xs, gs, c_aux: float, c_z: float, aux_
             "auxes": [a.detach() for a in auxes],
             "z": [s["z_loss"].detach() for s in stats], "router_grad": layer.router.weight.grad.clone(),
             "expert_grads": [_grads(ex) for ex in layer.experts],
+            "shared_grads": _grads(layer.shared) if layer.shared_experts else [],
             "tokens_per_expert": [s["tokens_per_expert"] for s in stats],
             "kept_per_expert": [s["kept_per_expert"] for s in stats],
             "dropped": [s["dropped"] for s in stats], "capacity": [s["capacity"] for s in stats]}
@@ -84,20 +119,34 @@ def ep_vs_single(cfg: dict) -> dict:
     W, r = comm.world_size(), comm.rank()
     c_aux, c_z = cfg.get("c_aux", 0.3), cfg.get("c_z", 0.05)
     layer, xs, gs = make_case(cfg, W)
-    truth = single_process_truth(layer, xs, gs, c_aux, c_z)
+    seqs = sequences_of(cfg, [len(x) for x in xs])
+    truth = single_process_truth(layer, xs, gs, c_aux, c_z, seqs=seqs)
 
-    ep = ExpertParallelMoE.from_layer(layer)
+    options = {key: cfg[key] for key in ("overlap", "max_nodes", "devices_per_node") if cfg.get(key)}
+    ep = ExpertParallelMoE.from_layer(layer, **options)
     x = xs[r].clone().requires_grad_()
-    y, st = ep(x)
+    y, st = ep(x, *(seqs[r] or ()))
     ((gs[r] * y).sum() + c_aux * st["aux_loss"] + c_z * st["z_loss"]).backward()
     router_grad = ep.router.weight.grad.clone()
     comm.all_reduce(router_grad, what="dense_grads")        # sync_moe_gradients with DP = EP = W
+    shared_grads = []
+    if layer.shared_experts:                                # a replica, like the router
+        for g in _grads(ep.shared):
+            comm.all_reduce(g, what="dense_grads")
+            shared_grads.append(g / W)
     E_local = len(ep.experts)
+    spans = 0
+    if cfg.get("max_nodes"):                                # the same logits without the node limit
+        with torch.no_grad():
+            free = top_k_routing(ep.router(x), layer.k, None, router=layer.router_kind)["expert_index"]
+        node = torch.tensor(expert_nodes(layer.num_experts, list(range(W)), cfg["devices_per_node"]))[free]
+        spans = int((node != node[:, :1]).any(1).sum())
     return {
         "rank": r, "world_size": W, "first_expert": r * E_local,
+        "expert_index": st["routing"]["expert_index"], "unlimited_spans_nodes": spans,
         "y": y.detach(), "x_grad": x.grad / W, "aux": st["aux_loss"].detach(), "z": st["z_loss"].detach(),
         "router_grad": router_grad / W,
-        "expert_grads": [[g / W for g in _grads(ex)] for ex in ep.experts],
+        "expert_grads": [[g / W for g in _grads(ex)] for ex in ep.experts], "shared_grads": shared_grads,
         "kept": st["routing"]["kept"], "dispatched": st["dispatched"], "dropped": st["dropped"],
         "capacity": st["capacity"],
         "tokens_per_expert": st["tokens_per_expert"], "kept_per_expert": st["kept_per_expert"],
@@ -165,7 +214,7 @@ def ep_dp_grad_sync(cfg: dict, divide_by: str = "dp") -> dict:
     return {"router_grad": ep.router.weight.grad, "truth_router": truth["router_grad"],
             "expert_grads": [_grads(ex) for ex in ep.experts],
             "truth_experts": truth["expert_grads"][first:first + len(ep.experts)],
-            "aux": float(st["aux_loss"]), "truth_aux": float(truth["aux"]), "y": y.detach(),
+            "aux": float(st["aux_loss"].detach()), "truth_aux": float(truth["aux"]), "y": y.detach(),
             "truth_y": truth["y"][r]}
 
 

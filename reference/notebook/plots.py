@@ -29,6 +29,87 @@ def bytes_per_collective(data: dict):
     return fig
 
 
+def alpha_beta(measured: dict):
+    """Lecture 0: a ping-pong's one-way time and an all-reduce's time against the message size (log-log), measured
+    (markers) beside the α–β model fitted to the ping-pong (lines): t = α + n/β, and the ring's 2(p−1)α +
+    2(p−1)/p · n/β for the all-reduce.  ``measured``: :func:`reference.planner.measure.measure_link`'s result."""
+    from ..planner.thresholds import ring_all_reduce
+    link, sizes, p = measured["link"], measured["sizes"], measured["p"]
+    a, b = link.alpha, link.beta
+    fine = [sizes[0] * (sizes[-1] / sizes[0]) ** (i / 60) for i in range(61)]
+    us = 1e6
+    fig, ax = plt.subplots(figsize=(6.8, 3.8))
+    line, = ax.plot(fine, [us * (a + n / b) for n in fine], "-", label="α + n/β (fitted)")
+    ax.plot(sizes, [us * t for t in measured["pingpong"]], "o", color=line.get_color(),
+            label="one message, measured (half a ping-pong)")
+    line, = ax.plot(fine, [us * ring_all_reduce(n, p, a, b) for n in fine], "-",
+                    label=f"2(p−1)α + 2(p−1)/p · n/β, p = {p}")
+    ax.plot(sizes, [us * t for t in measured["all_reduce"]], "s", color=line.get_color(),
+            label=f"all-reduce on {p} ranks, measured")
+    ax.plot(fine, [us * a for _ in fine], ":", color="grey", lw=1)
+    ax.plot(fine, [us * n / b for n in fine], ":", color="grey", lw=1)
+    half = a * b
+    if sizes[0] <= half <= sizes[-1]:
+        ax.axvline(half, color="grey", lw=0.8, ls="--")
+        ax.text(half, us * a / 3, f" n½ = αβ ≈ {half / 1e3:.0f} kB", fontsize=8, color="grey")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=us * a / 6)
+    ax.set_xlabel("message size n (bytes)")
+    ax.set_ylabel("time (µs)")
+    ax.set_title(f"{link.name}: α = {us * a:.0f} µs, β = {b / 1e9:.2f} GB/s (dotted: α alone, n/β alone)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def ring_vs_tree(link, sizes: dict, ranks=tuple(2 ** k for k in range(1, 13))):
+    """Lecture 0: the α–β model's time of a ring and of a tree all-reduce against the number of ranks, one pair of
+    lines per message size (``sizes``: {label: bytes}), on ``link`` (a ``thresholds.Link``)."""
+    from ..planner.thresholds import ring_all_reduce, tree_all_reduce
+    fig, ax = plt.subplots(figsize=(6.8, 3.6))
+    for label, n in sizes.items():
+        line, = ax.plot(ranks, [1e3 * ring_all_reduce(n, p, link.alpha, link.beta) for p in ranks], "-o", ms=3,
+                        label=f"ring, {label}")
+        ax.plot(ranks, [1e3 * tree_all_reduce(n, p, link.alpha, link.beta) for p in ranks], "--s", ms=3,
+                color=line.get_color(), label=f"tree, {label}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks N")
+    ax.set_ylabel("time (ms), α–β model")
+    ax.set_title(f"all-reduce on {link.name}: α = {1e6 * link.alpha:.1f} µs, β = {link.beta / 1e9:.0f} GB/s",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def step_and_tail(timelines: dict):
+    """Lecture 3: for each bucket setting, the step as a bar: the backward (first rank's start to last rank's end)
+    and then the exposed tail, with its total — beside which the tail alone is a partial figure.  ``timelines``:
+    ``reference.data.lecture.ddp_runs(...)["timelines"]``."""
+    from ..widgets.buckets import step_time
+    labels = list(timelines)
+    steps = [step_time(timelines[k]["trace"]) for k in labels]
+    fig, ax = plt.subplots(figsize=(8.2, 0.5 * len(labels) + 1.3))
+    y = list(range(len(labels)))
+    ax.barh(y, [1e3 * s["backward"] for s in steps], color="#9bb7d4", edgecolor="#33506e",
+            label="backward (first rank's start → last rank's end)")
+    ax.barh(y, [1e3 * s["exposed"] for s in steps], left=[1e3 * s["backward"] for s in steps], color="#c0392b",
+            label="exposed tail")
+    for i, s in enumerate(steps):
+        ax.text(1e3 * s["step"], i, f" {1e3 * s['step']:.0f} ms (tail {1e3 * s['exposed']:.0f})", va="center",
+                fontsize=8)
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.3e3 * max(s["step"] for s in steps))
+    ax.set_xlabel("ms")
+    ax.set_title("what the step pays: backward + exposed tail", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=2, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
 def collapse(runs: dict):
     """Lecture 5b: fraction of tokens per expert over training, one panel per balance coefficient α."""
     import torch
@@ -138,23 +219,25 @@ def per_rank_vs_world(series: dict, *, ylabel: str, title: str = "", loglog: boo
     return fig
 
 
-def ring_scaling(block, *, seq_len: int, heads: int, heads_kv: int, head_dim: int, bytes_per_value: int,
+def ring_scaling(*, seq_len: int, heads: int, heads_kv: int, head_dim: int, bytes_per_value: int,
                  links: dict, world_sizes=(1, 2, 4, 8, 16, 32, 64, 128)):
     """Lecture 5a: modelled time of one attention forward vs W at fixed L, one panel per link
-    ({name: reference.sequence.scaling.Link}); ring, Ulysses, all-gather and compute only, the
-    ideal 1/W, and a dotted line where the ring's shard falls below the overlap threshold n*."""
-    from ..sequence.scaling import overlap_threshold, step_times
+    ({name: reference.planner.thresholds.Link}); ring, Ulysses, all-gather and compute only, the
+    ideal 1/W, and a dashed line where the ring's shard falls below the overlap threshold n*
+    (``thresholds.cp_tokens``, non-causal, the latency included).  Returns (figure, {name: n*})."""
+    from ..planner.thresholds import cp_tokens
+    from ..sequence.scaling import step_times
     fig, axes = plt.subplots(1, len(links), figsize=(5.6 * len(links), 3.6), sharey=True, squeeze=False)
     thresholds = {}
     for ax, (name, link) in zip(axes[0], links.items()):
-        st = step_times(seq_len, world_sizes, block, link, heads=heads, heads_kv=heads_kv, head_dim=head_dim,
+        st = step_times(seq_len, world_sizes, link, heads=heads, heads_kv=heads_kv, head_dim=head_dim,
                         bytes_per_value=bytes_per_value)
         t1 = st["compute only"][0]
         ax.plot(world_sizes, [1 / W for W in world_sizes], "k:", lw=1, label="ideal 1/W")
         for key, style in (("ring", "o-"), ("ulysses", "s-"), ("all-gather", "^-")):
             pts = [(W, t / t1) for W, t in zip(world_sizes, st[key]) if t is not None]
             ax.plot(*zip(*pts), style, ms=4, label=key)
-        n_star = overlap_threshold(block, link, heads, heads_kv, head_dim, bytes_per_value)
+        n_star = round(cp_tokens(link, heads, heads_kv, head_dim, bytes_per_value))
         thresholds[name] = n_star
         if seq_len / n_star <= world_sizes[-1]:
             ax.axvline(seq_len / n_star, color="grey", ls="--", lw=1)

@@ -125,11 +125,32 @@ class Recordable:
             else:
                 print(f"▶ your own run (exercise {ids} passed its check)")
                 return out
-        recorded = self.recordings().get(self.call_key(args, kwargs))
-        if recorded is None:
+        key = self.call_key(args, kwargs)
+        recordings = self.recordings()
+        if key not in recordings:
             return self.fn(*args, **kwargs)
         print(_replay_label(self.needs, passed_exercises()))
-        return recorded
+        import time
+        _replays.append((time.perf_counter(), recordings.get(SECONDS + key)))
+        return recordings[key]
+
+
+SECONDS = "seconds of "           # a recording's file also keeps how long each recorded call ran
+_replays: list[tuple[float, float | None]] = []      # (when, seconds the recorded call took) of each replay
+
+
+def took(since: float) -> str:
+    """How long the demos a cell called since ``since`` (``time.perf_counter()``) took: "in 3.2 s" when
+    they ran; "in 3.2 s when recorded (replayed here)" when a recording stood in for one of them — a
+    replay takes no time, and "in 0.0 s" would say the run did."""
+    import time
+    elapsed = time.perf_counter() - since
+    replays = [seconds for when, seconds in _replays if when >= since]
+    if not replays:
+        return f"in {elapsed:.1f} s"
+    if None in replays:
+        return "replayed from a recording"
+    return f"in {elapsed + sum(replays):.1f} s when recorded (replayed here)"
 
 
 def _replay_label(needs: Sequence[str], passed: set[str]) -> str:
@@ -210,7 +231,8 @@ def record_all(dest: Path, keys: Sequence[str] | None = None, progress: Callable
             for kwargs in [{}] + rec.variants:
                 if progress:
                     progress(f"recording {key} {kwargs or ''}")
-                results[rec.call_key((), kwargs)] = _record_one(rec, kwargs)
+                call = rec.call_key((), kwargs)
+                results[call], results[SECONDS + call] = _record_one(rec, kwargs)
                 n += 1
             torch.save(results, dest / f"{key}.pt")
     finally:
@@ -225,12 +247,15 @@ class StoryBroken(RuntimeError):
     """A recording that, after every attempt, contradicts what its notebook says."""
 
 
-def _record_one(rec: Recordable, kwargs: dict, attempts: int = 3) -> Any:
-    """One recording of ``rec(**kwargs)`` whose story holds (``rec.story``), in at most ``attempts`` runs."""
+def _record_one(rec: Recordable, kwargs: dict, attempts: int = 3) -> tuple[Any, float]:
+    """One recording of ``rec(**kwargs)`` whose story holds (``rec.story``), in at most ``attempts`` runs,
+    and the seconds that run took."""
+    import time
     for _ in range(attempts):
+        t0 = time.perf_counter()
         out = rec.fn(**kwargs)
         broken = rec.story(out) if rec.story else []
         if not broken:
-            return out
+            return out, time.perf_counter() - t0
     raise StoryBroken(f"{rec.key} {kwargs or ''}: {attempts} recordings contradict the notebook's text "
                       f"({'; '.join(broken)}); record on a quieter machine")

@@ -25,7 +25,7 @@ sender's whole schedule). It posts them all at once, the first time it waits for
 would be idle anyway): every later message then lands straight in its buffer while the receiver
 computes, and posting a receive — a message of its own to the sender on gloo, ~0.1 ms on a shared
 2-core machine — no longer sits between two of its actions (what lifts 1F1B past torch's speed in
-``benchmarks/pipeline.py``). The price: one buffer per message of the step, (b/m, d) each, allocated
+the full course's ``benchmarks/pipeline.py``). The price: one buffer per message of the step, (b/m, d) each, allocated
 up front — small next to the stash, whose bound is unchanged. The activation sent for micro-batch i
 is known to be delivered once i's gradient is back, and is confirmed then; the other sends at the
 end of the step.

@@ -12,9 +12,10 @@ import time
 
 from ..notebook.recorded import live_world, recordable
 from . import workers
+from .beyond import breadth_first, clock, gradients_final
 from .executor import actions_from_trace, peak_stashed_from_trace, wall_clock_bubble
 from .oracles import single_process_truth
-from .schedules import measured_bubble, render, schedule, simulate
+from .schedules import measured_bubble, peak_stash, render, schedule, simulate
 
 NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 
@@ -90,21 +91,35 @@ def formulas(sizes: tuple = (2, 3, 4, 8, 16), max_microbatches: int = 128) -> di
 @recordable("04b.timed", needs=("4.4", "4.5"), ignore=("worlds",))
 def timed_runs(p: int = 2, m: int = 8, width: int = 192, layers: int = 8, repeats: int = 3,
                worlds: dict | None = None) -> dict:
-    """GPipe and 1F1B with enough work per block to see time: the fastest of ``repeats`` steps
-    each: {name: {"trace", "seconds", "wall_bubble"}}."""
-    out = {}
+    """GPipe and 1F1B with enough work per block to see time, ``repeats`` steps each, taken in turns
+    (GPipe, 1F1B, GPipe, …) so that both meet the same load: {name: {"trace" (the fastest step's),
+    "seconds" (the fastest), "all_seconds", "wall_bubbles" (every step's idle fraction in wall clock)}}."""
+    out = {name: {"all_seconds": [], "wall_bubbles": []} for name in ("gpipe", "1f1b")}
+    best: dict = {}
     with live_world(p, worlds) as w:
-        for name in ("gpipe", "1f1b"):
-            best = None
-            for _ in range(repeats):
+        for _ in range(repeats):
+            for name in out:
                 t0 = time.perf_counter()
                 res = w.run(workers.pipeline_worker, name, m, layers=layers, width=width, batch=16 * m,
                             dtype="float32")
                 took = time.perf_counter() - t0
-                if best is None or took < best[0]:
-                    best = (took, res.trace)
-            out[name] = {"trace": best[1], "seconds": best[0], "wall_bubble": wall_clock_bubble(best[1])}
+                out[name]["all_seconds"].append(took)
+                out[name]["wall_bubbles"].append(wall_clock_bubble(res.trace))
+                if name not in best or took < best[name][0]:
+                    best[name] = (took, res.trace)
+    for name, (took, trace) in best.items():
+        out[name].update(trace=trace, seconds=took)
     return out
+
+
+def torch_flexible_interleaved(p: int = 2, m: int = 3, worlds: dict | None = None) -> dict:
+    """torch's ``ScheduleInterleaved1F1B`` (v = 2) with m not a multiple of p — which Megatron's original
+    schedule, and this course's, refuse — one float64 step on ``p`` ranks beside one process: {"order" (its
+    plan as our actions), "grad_error", "rounds" (max(1, m // p), torch's micro-batch groups)}."""
+    truth = single_process_truth(m, num_stages=p, virtual_stages=2)
+    with live_world(p, worlds) as w:
+        res = w.run(workers.torch_pipeline_worker, "interleaved_1f1b", m, virtual_stages=2)
+    return {"order": res.values[0]["order"], "grad_error": _grad_error(res.values, truth), "rounds": max(1, m // p)}
 
 
 @recordable("04b.vs_torch", needs=("4.4", "4.5"), ignore=("worlds",))
@@ -185,3 +200,60 @@ def stage_bytes(p: int = 4, m: int = 8, layers: int = 8, width: int = 16, rows: 
                           "in_flight": [in_flight(name, p, m, s, v) for s in range(p)],
                           "boundaries": boundary_bytes(res.trace)}
     return {"p": p, "m": m, "layers": layers, "width": width, "rows": rows, "runs": runs}
+
+
+# ----------------------------------------------------------------------------------------------
+# Beyond ZB-H1: production's newer schedules, run by torch.distributed.pipelining, laid out by the simulator
+
+BEYOND = ("breadth_first", "zb_v", "dualpipe_v")
+
+
+@recordable("04b.beyond", needs=("4.4",), ignore=("worlds",))
+def beyond(p: int = 4, m: int = 8, worlds: dict | None = None) -> dict:
+    """§8 in one call: {"runs": :func:`beyond_runs` (torch's newer schedules on ``p`` ranks), "clock":
+    :func:`on_one_clock` (those and the lecture's own schedules on one clock — 1F1B's and ZB-H1's orders are
+    exercise 4.4's, hence the recording in the student release)}."""
+    runs = beyond_runs(p, m, worlds)
+    return {"runs": runs, "clock": on_one_clock(runs, p, m)}
+
+
+def beyond_runs(p: int = 4, m: int = 8, worlds: dict | None = None) -> dict:
+    """torch's breadth-first, ZB-V and DualPipeV schedules (two chunks per rank) on ``p`` real ranks, one
+    float64 step each beside one process: {name: {"order" (torch's plan as our actions, a full backward as
+    B then W), "full_backwards", "overlapped" ((rank, F, B) pairs), "placement", "grad_error", "loss_error",
+    "ran_as_planned" (every rank ran its plan's F, B, W in order)}}; breadth-first's also "ours" (whether
+    :func:`.beyond.breadth_first` states the same order).  Nothing here runs an exercise's code."""
+    out = {}
+    truth = single_process_truth(m, num_stages=p, virtual_stages=2)
+    with live_world(p, worlds) as w:
+        for name in BEYOND:
+            res = w.run(workers.torch_pipeline_worker, name, m, virtual_stages=2)
+            plan = res.values[0]
+            loss = next(x["loss"] for x in res.values if x["loss"] is not None)
+            out[name] = {"order": plan["order_split"], "full_backwards": plan["full_backwards"],
+                         "overlapped": plan["overlapped"], "placement": plan["placement"],
+                         "grad_error": _grad_error(res.values, truth), "loss_error": abs(loss - truth["loss"]),
+                         "ran_as_planned": [x["executed"] for x in res.values] == plan["order"]}
+            if name == "breadth_first":
+                out[name]["ours"] = [breadth_first(p, m, 2, r) for r in range(p)] == plan["order"]
+    return out
+
+
+def on_one_clock(beyond: dict, p: int = 4, m: int = 8) -> dict:
+    """Every schedule of the lecture at ``p``, ``m`` (interleaved and breadth-first: v = 2) on one clock — F = B =
+    W = 1 slot, a full backward 2 (:func:`.beyond.clock`): {name: {"order", "placement", "full_backwards" (what
+    :func:`.beyond.clock` needs besides the order), "bubble" (slot idle fraction), "peak" (activations held at once
+    per rank, in micro-batches through one rank's share of the layers), "final" (:func:`.beyond.gradients_final`)}}.
+    ``beyond``: :func:`beyond_runs`' result."""
+    cases = {"1f1b": (schedule("1f1b", p, m), "loop", (), 1),
+             "interleaved_1f1b": (schedule("interleaved_1f1b", p, m, virtual_stages=2), "loop", (), 2),
+             "zb_h1": (schedule("zb_h1", p, m), "loop", (), 1)}
+    cases.update({n: (r["order"], r["placement"], r["full_backwards"], 2) for n, r in beyond.items()})
+    out = {}
+    for name, (order, placement, full, v) in cases.items():
+        cost = clock(order, full)
+        out[name] = {"order": order, "placement": placement, "full_backwards": list(full),
+                     "bubble": measured_bubble(simulate(order, cost=cost, placement=placement)),
+                     "peak": [n / v for n in peak_stash(order)],
+                     "final": gradients_final(order, cost=cost, placement=placement)}
+    return out

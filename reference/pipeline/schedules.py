@@ -18,7 +18,10 @@ chunks 0 … v−1, and **chunk c on rank r is virtual stage c·p + r**.  For p 
     rank (chunk):    0 (c0)   1 (c0)   0 (c1)   1 (c1)
 
 so an activation visits rank 0, 1, 0, 1 and its gradient 1, 0, 1, 0.  Same convention as
-Megatron-LM and ``torch.distributed.pipelining`` (its ``stage_index``).
+Megatron-LM and ``torch.distributed.pipelining`` (its ``stage_index``).  The V-shaped schedules of
+lecture 4b's last section (ZB-V, DualPipeV) fold two chunks per rank instead, ``placement="v"``:
+chunk 0 of rank r is stage r, chunk 1 is stage 2p−1−r, so a micro-batch runs down the ranks and back
+up (:func:`virtual_stage`; :func:`simulate` and :func:`render` take either placement).
 
 The four schedules (slot diagrams drawn by :func:`render` with one slot per F, B or W)::
 
@@ -53,10 +56,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-__all__ = ["Action", "SCHEDULES", "schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "zb_h1",
-           "validate_actions", "simulate", "measured_bubble", "bubble_fraction", "peak_stash", "render"]
+__all__ = ["Action", "SCHEDULES", "PLACEMENTS", "schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b",
+           "zb_h1", "virtual_stage", "rank_of_stage", "validate_actions", "simulate", "measured_bubble",
+           "bubble_fraction", "peak_stash", "render"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+PLACEMENTS = ("loop", "v")
 
 
 class Action(NamedTuple):
@@ -188,6 +193,32 @@ def schedule(name: str, num_stages: int, num_microbatches: int, *, virtual_stage
 
 
 # ----------------------------------------------------------------------------------------------
+# Where each chunk sits
+
+
+def virtual_stage(chunk: int, rank: int, num_stages: int, placement: str = "loop") -> int:
+    """The virtual stage (piece of the model, in model order) that ``chunk`` of ``rank`` runs::
+
+        loop   c·p + r                        interleaved 1F1B, breadth-first: p = 2, v = 2 → ranks 0 1 0 1
+        v      r (chunk 0), 2p − 1 − r (1)    ZB-V, DualPipeV: p = 2 → ranks 0 1 1 0
+    """
+    if placement == "loop":
+        return chunk * num_stages + rank
+    if placement == "v":
+        if chunk not in (0, 1):
+            raise ValueError(f"the V placement holds two chunks per rank (0 and 1), got chunk {chunk}")
+        return rank if chunk == 0 else 2 * num_stages - 1 - rank
+    raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+
+
+def rank_of_stage(stage: int, num_stages: int, placement: str = "loop") -> int:
+    """The rank holding virtual ``stage`` (the inverse of :func:`virtual_stage`)."""
+    if placement == "v":
+        return stage if stage < num_stages else 2 * num_stages - 1 - stage
+    return virtual_stage(0, stage % num_stages, num_stages, placement)
+
+
+# ----------------------------------------------------------------------------------------------
 # Checking and simulating an order
 
 
@@ -225,22 +256,35 @@ def validate_actions(actions_per_stage: Sequence[Sequence[Action]], num_microbat
 Timeline = list[list[tuple[float, float, Action]]]
 
 
-def simulate(actions_per_stage: Sequence[Sequence[Action]], *,
-             cost: dict[str, float] | Callable[[Action], float] | None = None) -> Timeline:
+Cost = dict[str, float] | Callable[[Action], float] | None
+
+
+def _slot_cost(cost: Cost) -> Callable[[Action], float]:
+    costs = {"F": 1.0, "B": 1.0, "W": 1.0}
+    if isinstance(cost, dict):
+        costs.update(cost)
+    return cost if callable(cost) else (lambda a: costs[a.kind])
+
+
+def simulate(actions_per_stage: Sequence[Sequence[Action]], *, cost: Cost | Sequence[Cost] = None,
+             placement: str = "loop") -> Timeline:
     """Run an order in schedule slots: per stage, ``[(start, end, action), ...]``.
 
     Each stage runs its actions in its order, each as early as its inputs allow (messages take no
     time): F of micro-batch i at virtual stage k after F of i at k−1; B of i at k after F of i at k
     and after B of i at k+1 (on the last virtual stage: after its own F); W after its B.  ``cost``:
-    slots per kind (default F = B = W = 1) or a function of the action.  Raises ValueError when an
+    slots per kind (default F = B = W = 1) or a function of the action — or a list of those, one per
+    stage; ``placement``: where each chunk sits (:func:`virtual_stage`).  Raises ValueError when an
     order is invalid or stops: stages waiting for work that nobody will send (a deadlock).
     """
     m, v = validate_actions(actions_per_stage)
+    if placement == "v" and v > 2:
+        raise ValueError(f"the V placement holds two chunks per rank, this order has {v}")
     p, K = len(actions_per_stage), len(actions_per_stage) * v
-    costs = {"F": 1.0, "B": 1.0, "W": 1.0}
-    if isinstance(cost, dict):
-        costs.update(cost)
-    slot = cost if callable(cost) else (lambda a: costs[a.kind])
+    per_stage = isinstance(cost, (list, tuple))
+    if per_stage and len(cost) != p:
+        raise ValueError(f"cost: one entry per stage ({p}), got {len(cost)}")
+    slots = [_slot_cost(cost[r] if per_stage else cost) for r in range(p)]
     orders = [[Action(*a) for a in stage] for stage in actions_per_stage]
 
     def needs(a: Action, k: int) -> list[tuple[str, int, int]]:      # (kind, virtual stage, micro-batch)
@@ -259,12 +303,12 @@ def simulate(actions_per_stage: Sequence[Sequence[Action]], *,
         for r in range(p):
             while pos[r] < len(orders[r]):
                 a = orders[r][pos[r]]
-                k = a.chunk * p + r
+                k = virtual_stage(a.chunk, r, p, placement)
                 deps = needs(a, k)
                 if any(d not in done for d in deps):
                     break
                 start = max([free[r]] + [done[d] for d in deps])
-                free[r] = start + slot(a)
+                free[r] = start + slots[r](a)
                 done[(a.kind, k, a.microbatch)] = free[r]
                 timeline[r].append((start, free[r], a))
                 pos[r] += 1
@@ -274,9 +318,10 @@ def simulate(actions_per_stage: Sequence[Sequence[Action]], *,
         waits = []
         for r in stuck:
             a = orders[r][pos[r]]
-            k = a.chunk * p + r
+            k = virtual_stage(a.chunk, r, p, placement)
             kind, kk, i = next(d for d in needs(a, k) if d not in done)
-            waits.append(f"stage {r} waits at {a} for {kind}{i} of virtual stage {kk} (rank {kk % p})")
+            waits.append(f"stage {r} waits at {a} for {kind}{i} of virtual stage {kk} "
+                         f"(rank {rank_of_stage(kk, p, placement)})")
         raise ValueError("this order deadlocks: " + "; ".join(waits))
     return timeline
 
@@ -331,12 +376,12 @@ def peak_stash(actions_per_stage: Sequence[Sequence[Action]]) -> list[int]:
     return peaks
 
 
-def render(timeline_or_actions, *, width: int = 3) -> str:
+def render(timeline_or_actions, *, width: int = 3, placement: str = "loop") -> str:
     """Text diagram, one row per stage, one column per slot ("." idle), as in the module docstring.
-    Takes a timeline from :func:`simulate` or an order (simulated with unit costs)."""
+    Takes a timeline from :func:`simulate` or an order (simulated with unit costs and ``placement``)."""
     tl = timeline_or_actions
     if tl and tl[0] and not isinstance(tl[0][0][0], (int, float)):
-        tl = simulate(tl)
+        tl = simulate(tl, placement=placement)
     end = int(round(max((e for stage in tl for _, e, _ in stage), default=0)))
     rows = []
     for r, stage in enumerate(tl):

@@ -25,6 +25,8 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
+from .schedules import virtual_stage
+
 __all__ = ["balanced_sizes", "split_model", "chunks_of_rank", "parameter_names"]
 
 
@@ -73,13 +75,17 @@ def split_model(model_or_layers: nn.Sequential | Sequence[nn.Module], num_stages
     return out
 
 
-def chunks_of_rank(pieces: Sequence[nn.Module], rank: int, num_stages: int) -> list[nn.Module]:
-    """The pieces rank ``rank`` runs, in chunk order: ``[pieces[c·p + rank] for c in 0 … v−1]``."""
+def chunks_of_rank(pieces: Sequence[nn.Module], rank: int, num_stages: int, placement: str = "loop") -> list[nn.Module]:
+    """The pieces rank ``rank`` runs, in chunk order: ``[pieces[c·p + rank] for c in 0 … v−1]``, or with
+    ``placement="v"`` (two pieces per rank, folded: :func:`.schedules.virtual_stage`) ``[pieces[rank],
+    pieces[2p − 1 − rank]]``."""
     if len(pieces) % num_stages:
         raise ValueError(f"{len(pieces)} pieces cannot be dealt to {num_stages} stages evenly")
     if not 0 <= rank < num_stages:
         raise ValueError(f"rank {rank} is not a stage of a {num_stages}-stage pipeline")
-    return [pieces[c * num_stages + rank] for c in range(len(pieces) // num_stages)]
+    if placement == "v" and len(pieces) != 2 * num_stages:
+        raise ValueError(f"the V placement needs two pieces per rank (2·{num_stages}), got {len(pieces)}")
+    return [pieces[virtual_stage(c, rank, num_stages, placement)] for c in range(len(pieces) // num_stages)]
 
 
 def parameter_names(model: nn.Module, modules: Iterable[nn.Module]) -> dict[str, nn.Parameter]:

@@ -72,7 +72,8 @@ def _setup(num_stages, layers, width, batch, num_microbatches, virtual_stages, s
     return model, pieces, make_batch(batch, width, seed=seed, dtype=dtype, **out)
 
 
-def _my_share(stages, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype, **model_kw):
+def _my_share(stages, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype, placement="loop",
+              **model_kw):
     """This rank's part of the run on the first ``stages`` ranks: (group, p, rank in it, full model,
     its chunks, (inputs, targets)); None on a rank outside those stages."""
     group = comm.first_ranks_group(stages or comm.world_size())
@@ -81,7 +82,7 @@ def _my_share(stages, layers, width, batch, num_microbatches, virtual_stages, si
     p, r = comm.world_size(group), comm.rank(group)
     model, pieces, batch_xy = _setup(p, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype,
                                      **model_kw)
-    return group, p, r, model, chunks_of_rank(pieces, r, p), batch_xy
+    return group, p, r, model, chunks_of_rank(pieces, r, p, placement), batch_xy
 
 
 def pipeline_worker(schedule: str = "1f1b", num_microbatches: int = 4, *, virtual_stages: int = 1,
@@ -136,21 +137,47 @@ def memory_worker(schedule: str = "1f1b", num_microbatches: int = 8, *, virtual_
 # The peer: torch.distributed.pipelining, same model, same split, same micro-batches
 
 
+# Schedules beyond ZB-H1 that torch ships, under the course's names; the V-shaped ones hold two chunks
+# per rank folded (placement "v": chunk 0 of rank r is stage r, chunk 1 stage 2p − 1 − r).
+V_SHAPED = ("zb_v", "dualpipe_v")
+
+
 def torch_schedule_class(schedule: str):
     from torch.distributed import pipelining as pp
     return {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved_1f1b": pp.ScheduleInterleaved1F1B,
-            "zb_h1": pp.ScheduleInterleavedZeroBubble}[schedule]
+            "zb_h1": pp.ScheduleInterleavedZeroBubble, "breadth_first": pp.ScheduleLoopedBFS,
+            "zb_v": pp.ScheduleZBVZeroBubble, "dualpipe_v": pp.ScheduleDualPipeV}[schedule]
 
 
-def torch_order_as_actions(pipeline_order: dict, num_stages: int) -> list[list[Action]]:
+def torch_order_as_actions(pipeline_order: dict, num_stages: int, *, split_full_backward: bool = False,
+                           overlapped: list | None = None, full: list | None = None) -> list[list[Action]]:
     """torch's ``pipeline_order`` (rank → [_Action(stage_index, type, microbatch) | None]) as our
-    actions: compute actions only (F; B or I (input half) → "B"; W), chunk = stage_index // p."""
+    actions: compute actions only (F; B or I (input half) → "B"; W), chunk = stage_index // p (either
+    placement).  An overlapped pair (DualPipeV's OVERLAP_F_B) gives its two sub-actions in order.
+    ``split_full_backward``: a full backward B becomes B then W (for an order that mixes full and split
+    backwards, as DualPipeV's does), each such B appended to ``full`` as (rank, B action).
+    ``overlapped``: a list to which each overlapped pair is appended as (rank, F action, B action)."""
     kinds = {"F": "F", "B": "B", "I": "B", "W": "W"}
     out = []
     for rank in range(num_stages):
-        acts = [a for a in pipeline_order[rank] if a is not None and a.computation_type.value in kinds]
-        out.append([Action(kinds[a.computation_type.value], a.microbatch_index, a.stage_index // num_stages)
-                    for a in acts])
+        acts: list[Action] = []
+        for a in pipeline_order[rank]:
+            subs = list(getattr(a, "sub_actions", None) or ()) if a is not None else []
+            for sub in subs or ([a] if a is not None else []):
+                kind = sub.computation_type.value
+                if kind not in kinds:
+                    continue
+                act = Action(kinds[kind], sub.microbatch_index, sub.stage_index // num_stages)
+                acts.append(act)
+                if kind == "B" and split_full_backward:
+                    acts.append(act._replace(kind="W"))
+                    if full is not None:
+                        full.append((rank, act))
+            if subs and overlapped is not None:
+                f, b = (Action(kinds[x.computation_type.value], x.microbatch_index, x.stage_index // num_stages)
+                        for x in subs)
+                overlapped.append((rank, f, b))
+        out.append(acts)
     return out
 
 
@@ -162,16 +189,23 @@ def torch_pipeline_worker(schedule: str = "1f1b", num_microbatches: int = 4, *, 
     :func:`pipeline_worker`.  torch applies ``loss_fn`` per micro-batch without dividing by m and,
     with ``scale_grads=True`` (its default), divides the gradients by m at the end.  Returns
     {"loss" (mean of its per-micro-batch losses, last stage), "grads", "order" (its pipeline_order
-    as our actions, every stage), "executed" (what this rank ran, in order, as our actions)}."""
+    as our actions, every stage), "executed" (what this rank ran, in order, as our actions),
+    "order_split" (the order with each full backward as B then W, those B's listed in "full_backwards"
+    as (rank, B)), "overlapped" ((rank, F, B) of every pair DualPipeV overlaps), "placement" ("v" for
+    the V-shaped schedules :data:`V_SHAPED`, else "loop")}."""
     from torch.distributed.pipelining import PipelineStage
-    share = _my_share(stages, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype)
+
+    from .schedules import rank_of_stage, virtual_stage
+    placement = "v" if schedule in V_SHAPED else "loop"
+    share = _my_share(stages, layers, width, batch, num_microbatches, virtual_stages, sizes, seed, dtype, placement)
     if share is None:
         return None
     group, p, r, model, mine, (x, y) = share
     executed: list[Action] = []
     stages = []
     for c, module in enumerate(mine):
-        st = PipelineStage(module, c * p + r, p * virtual_stages, torch.device("cpu"), group=group)
+        st = PipelineStage(module, virtual_stage(c, r, p, placement), p * virtual_stages, torch.device("cpu"),
+                           group=group)
         for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
                            ("backward_weight_one_chunk", "W")):
             setattr(st, name, _recorded(getattr(st, name), kind, c, executed))
@@ -181,15 +215,16 @@ def torch_pipeline_worker(schedule: str = "1f1b", num_microbatches: int = 4, *, 
     sched = cls(stages[0] if single else stages, num_microbatches, loss_fn=mse, scale_grads=scale_grads)
     losses: list[torch.Tensor] = []
     with trace.quiet():
-        if r == 0:
-            sched.step(x, target=y if r == p - 1 else None, losses=losses)
-        elif r == p - 1:
-            sched.step(target=y, losses=losses)
-        else:
-            sched.step()
+        last = {"target": y, "losses": losses} if r == rank_of_stage(p * virtual_stages - 1, p, placement) else {}
+        sched.step(*([x] if r == 0 else []), **last)     # rank 0 feeds the inputs; the last stage's rank, the targets
+    overlapped: list = []
+    full: list = []
     return {"rank": r, "loss": float(torch.stack([t.detach() for t in losses]).mean()) if losses else None,
             "grads": {n: t.grad.clone() for n, t in parameter_names(model, mine).items()},
-            "order": torch_order_as_actions(sched.pipeline_order, p), "executed": executed}
+            "order": torch_order_as_actions(sched.pipeline_order, p), "executed": executed,
+            "order_split": torch_order_as_actions(sched.pipeline_order, p, split_full_backward=True,
+                                                  overlapped=overlapped, full=full),
+            "overlapped": overlapped, "full_backwards": full, "placement": placement}
 
 
 def _recorded(method, kind, chunk, log):

@@ -5,30 +5,59 @@ from __future__ import annotations
 
 from .model import Composition, Model
 
-__all__ = ["param_counts", "active_params", "padded_vocab", "stage_layers", "device_params", "model_state_bytes",
-           "activation_bytes_per_layer", "output_layer_bytes", "allreduce_bytes", "all_to_all_bytes",
-           "bubble_fraction"]
+__all__ = ["attention_params", "ffn_params", "param_counts", "active_params", "padded_vocab", "stage_layers",
+           "device_params", "model_state_bytes", "routed_rows", "activation_bytes_per_layer", "output_layer_bytes",
+           "allreduce_bytes", "all_to_all_bytes", "bubble_fraction"]
 
 
 # ---------------------------------------------------------------------------------- parameters
 
-def param_counts(model: Model) -> dict[str, float]:
-    """Parameters by kind (whole model): attention, dense FFN, experts, router, norms, embeddings."""
-    h, hd, f = model.hidden, model.hidden // model.heads, model.ffn
-    q_kv = (model.heads + 2 * model.kv_heads) * hd                       # Q, K, V outputs (GQA)
-    attn = h * q_kv + model.heads * hd * h + (q_kv + h if model.biases else 0)
+def attention_params(model: Model) -> tuple[float, float]:
+    """(cut over tp, whole on every tensor rank) parameters of one layer's attention.
+
+    Grouped-query attention: Q [h × a·d], K and V [h × kv·d] each, the output [a·d × h] (d = head_dim), all
+    cut over tp (with their biases).  Multi-head latent attention (DeepSeek-V2 §2.1): Q down to q_lora_rank
+    and up to a·(d + d_rope) (or straight to it without q_lora_rank), K and V down to kv_lora_rank (+ the
+    shared rotary key, d_rope) and up to a·(d + d_v), the output [a·d_v × h]; the down projections and the
+    latents' RMSNorms are whole on every tensor rank (Megatron-Core's MLA), the up projections cut over tp.
+    """
+    h, a = model.hidden, model.heads
+    if not model.mla:
+        q_kv = (a + 2 * model.kv_heads) * model.d_head
+        return h * q_kv + a * model.d_head * h + (q_kv if model.biases else 0), 0.0
+    q_up = a * model.d_qk
+    split = (model.q_lora_rank or h) * q_up + model.kv_lora_rank * a * (model.d_head + model.d_v) \
+        + a * model.d_v * h
+    whole = (h * model.q_lora_rank + model.q_lora_rank if model.q_lora_rank else 0) \
+        + h * (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank
+    return split, whole
+
+
+def ffn_params(model: Model, size: int) -> float:
+    """One FFN of inner size ``size`` (an expert's or the dense MLP's): 2 or 3 matrices, with biases if any."""
     mats = 3 if model.gated_ffn else 2
-    mlp = mats * h * f + ((mats - 1) * f + h if model.biases else 0)
+    return mats * model.hidden * size + ((mats - 1) * size + model.hidden if model.biases else 0)
+
+
+def param_counts(model: Model) -> dict[str, float]:
+    """Parameters by kind (whole model): attention, dense FFN, experts, shared experts (if any), router, norms,
+    embeddings."""
+    h = model.hidden
+    split, whole = attention_params(model)
+    attn = split + whole + (h if model.biases else 0)
     moe, dense = model.moe_layers, model.layers - model.moe_layers
-    return dict(
+    out = dict(
         attention=model.layers * attn,
-        ffn=dense * mlp,
-        experts=moe * model.num_experts * mlp,
+        ffn=dense * ffn_params(model, model.ffn),
+        experts=moe * model.num_experts * ffn_params(model, model.d_expert),
         router=moe * h * model.num_experts,
         norms=(model.layers * 2 + (1 if model.final_norm else 0)) * model.norm_params,
         embeddings=model.vocab * h * (1 if model.tied_embeddings else 2)
         + (model.seq_len * h if model.learned_positions else 0),
     )
+    if model.shared_experts:
+        out["shared_experts"] = moe * model.shared_experts * ffn_params(model, model.d_shared)
+    return out
 
 
 def active_params(model: Model) -> float:
@@ -52,17 +81,19 @@ def stage_layers(model: Model, pp: int, stage: int) -> tuple[int, int]:
     return n, sum(model.is_moe(i) for i in range(start, start + n)) if model.num_experts > 1 else 0
 
 
-def _stage_params(model: Model, t: int, e: int, n_layers: int, n_moe: int, first: bool, last: bool
-                  ) -> tuple[float, float, float]:
-    """(dense, expert, replicated-over-tp) parameters of one device of a stage."""
-    h, hd, f = model.hidden, model.hidden // model.heads, model.ffn
-    q_kv = (model.heads + 2 * model.kv_heads) * hd
-    mats = 3 if model.gated_ffn else 2
-    attn_split = (h * q_kv + model.heads * hd * h + (q_kv if model.biases else 0)) / t
-    mlp_split = (mats * h * f + ((mats - 1) * f if model.biases else 0)) / t
+def _stage_params(model: Model, t: int, e: int, n_layers: int, n_moe: int, first: bool, last: bool,
+                  etp: int | None = None) -> tuple[float, float, float]:
+    """(dense, expert, replicated-over-tp) parameters of one device of a stage: the layers' matrices ÷ t, the
+    shared experts ÷ t, the routed experts E/e of them ÷ etp (default t)."""
+    h = model.hidden
+    etp = t if etp is None else etp
+    attn_split, attn_whole = attention_params(model)
+    mlp_split = (ffn_params(model, model.ffn) - (h if model.biases else 0)) / t
+    expert_split = (ffn_params(model, model.d_expert) - (h if model.biases else 0)) / etp
+    shared_split = model.shared_experts * (ffn_params(model, model.d_shared) - (h if model.biases else 0)) / t
     out_bias = h if model.biases else 0                       # after a row-parallel layer: replicated
-    replicated = n_layers * (2 * model.norm_params + out_bias) + (n_layers - n_moe) * out_bias \
-        + n_moe * h * model.num_experts                       # norms, proj/fc2 biases, router
+    replicated = n_layers * (2 * model.norm_params + out_bias + attn_whole) + (n_layers - n_moe) * out_bias \
+        + n_moe * h * model.num_experts                       # norms, proj/fc2 biases, MLA's down projections, router
     vocab_rows = padded_vocab(model, t) // t * h
     # the word embedding (first) and the head (last): one table when tied and both on this device, none
     # on a middle stage
@@ -71,8 +102,8 @@ def _stage_params(model: Model, t: int, e: int, n_layers: int, n_moe: int, first
         replicated += model.seq_len * h
     if last and model.final_norm:
         replicated += model.norm_params
-    dense = n_layers * attn_split + (n_layers - n_moe) * mlp_split + embed + replicated
-    experts = n_moe * model.num_experts // e * (mlp_split + out_bias) if n_moe else 0.0
+    dense = n_layers * attn_split / t + (n_layers - n_moe) * mlp_split + n_moe * shared_split + embed + replicated
+    experts = n_moe * model.num_experts // e * (expert_split + out_bias) if n_moe else 0.0
     return dense, experts, replicated
 
 
@@ -101,22 +132,38 @@ def model_state_bytes(psi: float, zero: int, n: int, *, param_bytes: int = 2, gr
 
 # ---------------------------------------------------------------------------------- activations
 
+def routed_rows(model: Model, ep: int = 1) -> float:
+    """Rows the busiest device's experts compute per routed token-choice, relative to the mean (k·T rows at
+    perfect balance).  With a capacity factor every expert's buffer is padded to it (and tokens beyond it
+    dropped): the capacity factor.  Dropless: the busiest expert carries ``load_imbalance`` × the mean; the
+    other E/ep − 1 experts on its device are taken at the mean, so the device carries
+    1 + (load_imbalance − 1)·ep/E."""
+    if model.capacity_factor is not None:
+        return model.capacity_factor
+    local = max(1, model.num_experts // ep)
+    return 1 + (model.load_imbalance - 1) / local
+
+
 def activation_bytes_per_layer(model: Model, *, tp: int = 1, cp: int = 1, sequence_parallel: bool = True,
-                               recompute: str = "none", flash: bool = False, moe: bool = False) -> float:
+                               recompute: str = "none", flash: bool = False, moe: bool = False, ep: int = 1
+                               ) -> float:
     """Bytes of activations one transformer layer keeps for the backward, one micro-batch, per device.
 
-    The accounting of Korthikanti et al. §4, written per stored tensor so that it also covers GQA,
-    a gated or non-4h FFN, MoE (k experts' FFN activations per token, × capacity factor, and the
-    experts' input and output), no dropout, and context parallelism.  With MHA, FFN 4h, GELU and
-    dropout it is exactly ``s·b·h·34 + 5·a·s²·b`` (tested).  ``model.stats_bytes`` > 0 adds the
-    per-token statistics Korthikanti leaves out (norms, flash log-sum-exp, router probabilities).
+    The accounting of Korthikanti et al. §4, written per stored tensor so that it also covers GQA and other
+    head sizes, multi-head latent attention (the latents kept for the up projections, Q, K and V at their
+    head sizes), a gated or non-4h FFN, MoE (the routed experts' FFN internals for k·T rows × the busiest
+    device's :func:`routed_rows`, the shared experts' internals, the experts' input and output), no dropout,
+    and context parallelism.  With MHA, FFN 4h, GELU and dropout it is exactly ``s·b·h·34 + 5·a·s²·b``
+    (tested).  ``model.stats_bytes`` > 0 adds the per-token statistics Korthikanti leaves out (norms, flash
+    log-sum-exp, router probabilities).
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
     s, b, h, a = model.seq_len / cp, model.micro_batch, model.hidden, model.heads
-    kv = model.kv_heads * (h // a)
+    kv_heads = a if model.mla else model.kv_heads
+    q, k, v, o = a * model.d_qk, kv_heads * model.d_qk, kv_heads * model.d_v, a * model.d_v
     e, mask = model.act_bytes, (1 if model.dropout else 0)
-    sbh = s * b * h
+    sb, sbh = s * b, s * b * h
     sp = tp if sequence_parallel else 1
     if recompute == "full":
         return e * sbh / sp
@@ -125,12 +172,18 @@ def activation_bytes_per_layer(model: Model, *, tp: int = 1, cp: int = 1, sequen
     gathered = 0.0
     if sp > 1 and model.sp_saves_gathered:      # QKV and FC1 inputs kept all-gathered
         replicated, gathered = replicated - 2 * e * sbh, 2 * e * sbh
+    if model.mla:   # the latents: each kept for its RMSNorm and for its up projection, and the rotary key
+        replicated += e * sb * (2 * model.q_lora_rank + 2 * model.kv_lora_rank + model.qk_rope_head_dim)
     # split across tensor ranks: Q, K (for QKᵀ), V, the attention output (proj input), the FFN internals
-    ffn_tokens = model.top_k * model.capacity_factor if moe else 1
-    ffn_inner = (3 if model.gated_ffn else 2) * e * s * b * model.ffn * ffn_tokens
-    split = e * (sbh + s * b * kv) + e * s * b * kv + e * sbh + ffn_inner
-    if moe:     # the dispatched tokens (the experts' input) and the experts' output (the gate's gradient)
-        replicated += 2 * e * ffn_tokens * sbh
+    acts = 3 if model.gated_ffn else 2
+    if moe:
+        rows = model.top_k * routed_rows(model, ep)
+        ffn_inner = acts * e * sb * (model.d_expert * rows + model.d_shared * model.shared_experts)
+        # the dispatched tokens (the experts' input) and the experts' output (the gate's gradient)
+        replicated += 2 * e * rows * sbh
+    else:
+        ffn_inner = acts * e * sb * model.ffn
+    split = e * sb * (q + k) + e * sb * v + e * sb * o + ffn_inner
     scores = 0.0
     if recompute == "none" and not flash:       # softmax output, dropout mask, dropout output
         scores = (e + mask + (e if model.dropout else 0)) * a * s * model.seq_len * b

@@ -31,32 +31,45 @@ from __future__ import annotations
 
 import math
 
+from .collectives import sweep_rate
 from .model import Cluster, Model
 
-__all__ = ["TILES", "gemm_efficiency", "gemm_time", "memory_time", "layer_gemms", "attention_core_time",
-           "elementwise_bytes"]
+__all__ = ["TILES", "gemm_efficiency", "gemm_time", "memory_time", "attention_gemms", "ffn_gemms", "layer_gemms",
+           "attention_core_time", "elementwise_bytes"]
 
 TILES = ((256, 128), (128, 256), (128, 128))     # cuBLAS tile shapes (NVIDIA Matrix Multiplication guide §2.3)
 
 
-def gemm_efficiency(m: float, n: float, cluster: Cluster, batch: int = 1) -> float:
-    """η(M, N): the ceiling times the best tile's tile × wave quantization, for ``batch`` GEMMs at once."""
+def gemm_efficiency(m: float, n: float, cluster: Cluster, batch: int = 1, sms: int | None = None,
+                    fp8: bool = False) -> float:
+    """η(M, N): the ceiling (the FP8 one for ``fp8``) times the best tile's tile × wave quantization, for ``batch``
+    GEMMs at once on ``sms`` SMs (default: all of the device's)."""
+    sms = sms or cluster.sms
     best = 0.0
     for tm, tn in TILES:
         tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
         tile = m * n / (tiles_m * tm * tiles_n * tn)
-        waves = batch * tiles_m * tiles_n / cluster.sms
+        waves = batch * tiles_m * tiles_n / sms
         best = max(best, tile * waves / math.ceil(waves))
-    return cluster.gemm_ceiling * best
+    ceiling = (cluster.fp8_gemm_ceiling or cluster.gemm_ceiling) if fp8 else cluster.gemm_ceiling
+    return ceiling * best
 
 
-def gemm_time(m: float, n: float, k: float, cluster: Cluster, *, batch: int = 1, elem: int = 2) -> float:
-    """Seconds for ``batch`` GEMMs [m×k]·[k×n]: the larger roofline bound."""
+def gemm_time(m: float, n: float, k: float, cluster: Cluster, *, batch: int = 1, elem: int = 2,
+              sms: int | None = None, fp8: bool = False) -> float:
+    """Seconds for ``batch`` GEMMs [m×k]·[k×n]: the larger roofline bound.  ``sms``: the SMs left to it (others
+    busy with communication: the peak scales with them); ``fp8``: inputs in FP8 (1 byte) at the FP8 peak."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
+    if cluster.gemm_sweep:          # a measured device (this machine's cores): the sweep's rate at this size
+        flops = 2 * m * n * k * batch
+        return max(flops / sweep_rate(cluster.gemm_sweep, flops),
+                   memory_time(elem * (m * k + k * n + m * n) * batch, cluster))
+    share = (sms or cluster.sms) / cluster.sms
+    peak = (cluster.fp8_flops if fp8 else cluster.flops) * share
     flops = 2 * m * n * k * batch
-    bytes_ = elem * (m * k + k * n + m * n) * batch
-    return max(flops / (cluster.flops * gemm_efficiency(m, n, cluster, batch)), memory_time(bytes_, cluster))
+    bytes_ = ((m * k + k * n) * (1 if fp8 else elem) + m * n * elem) * batch
+    return max(flops / (peak * gemm_efficiency(m, n, cluster, batch, sms, fp8)), memory_time(bytes_, cluster))
 
 
 def memory_time(nbytes: float, cluster: Cluster) -> float:
@@ -64,37 +77,62 @@ def memory_time(nbytes: float, cluster: Cluster) -> float:
     return nbytes / (cluster.hbm_bw * cluster.memory_efficiency)
 
 
-def layer_gemms(model: Model, tokens: float, tp: int, *, moe: bool = False) -> list[tuple[float, float, float]]:
-    """The forward GEMMs of one layer on one device, as (M, N, K): M tokens, weights cut over ``tp``.
+def attention_gemms(model: Model, tokens: float, tp: int) -> dict[str, tuple[float, float, float]]:
+    """The forward GEMMs of one layer's attention on one device, {name: (M, N, K)}: M tokens, weights cut over tp.
 
-    QKV [T×h]·[h×(a+2·kv)·d/t], proj [T×a·d/t]·[a·d/t×h], FC1 [T×h]·[h×f·(2 if gated)/t], FC2
-    [T×f/t]·[f/t×h].  A MoE layer's experts see k·cf·T tokens (perfect balance).
+    QKV [T×h]·[h×(a+2·kv)·d/t] and proj [T×a·d/t]·[a·d/t×h]; with multi-head latent attention the down
+    projections (whole on every tensor rank) and the up projections (cut over tp) instead of QKV.
     """
-    h, d = model.hidden, model.hidden // model.heads
-    q_kv = (model.heads + 2 * model.kv_heads) * d
-    ffn_tokens = tokens * (model.top_k * model.capacity_factor if moe else 1)
-    up = model.ffn * (2 if model.gated_ffn else 1)
-    return [(tokens, q_kv / tp, h), (tokens, h, model.heads * d / tp),
-            (ffn_tokens, up / tp, h), (ffn_tokens, h, model.ffn / tp)]
+    h, a = model.hidden, model.heads
+    out = {}
+    if model.mla:
+        if model.q_lora_rank:
+            out["q_down"] = (tokens, model.q_lora_rank, h)
+        out["q_up" if model.q_lora_rank else "q"] = (tokens, a * model.d_qk / tp, model.q_lora_rank or h)
+        out["kv_down"] = (tokens, model.kv_lora_rank + model.qk_rope_head_dim, h)
+        out["kv_up"] = (tokens, a * (model.d_head + model.d_v) / tp, model.kv_lora_rank)
+    else:
+        out["qkv"] = (tokens, (a + 2 * model.kv_heads) * model.d_head / tp, h)
+    out["proj"] = (tokens, h, a * model.d_v / tp)
+    return out
+
+
+def ffn_gemms(model: Model, tokens: float, size: float, tp: int) -> dict[str, tuple[float, float, float]]:
+    """The forward GEMMs of an FFN of inner size ``size`` cut over ``tp``: FC1 [T×h]·[h×f·(2 if gated)/t],
+    FC2 [T×f/t]·[f/t×h]."""
+    up = size * (2 if model.gated_ffn else 1)
+    return {"fc1": (tokens, up / tp, model.hidden), "fc2": (tokens, model.hidden, size / tp)}
+
+
+def layer_gemms(model: Model, tokens: float, tp: int, *, moe: bool = False) -> list[tuple[float, float, float]]:
+    """The forward GEMMs of one layer on one device, as (M, N, K): attention's and the dense FFN's — or, for a MoE
+    layer, its experts' as one GEMM over their k·capacity·T rows at the mean (the time model's are per expert,
+    :mod:`.experts`)."""
+    ffn = ffn_gemms(model, tokens * model.top_k * model.capacity, model.d_expert, tp) if moe else \
+        ffn_gemms(model, tokens, model.ffn, tp)
+    return [*attention_gemms(model, tokens, tp).values(), *ffn.values()]
 
 
 def attention_core_time(model: Model, cluster: Cluster, *, b: int, tp: int, cp: int, flash: bool
                         ) -> tuple[float, float]:
     """(forward, backward) seconds of attention's core on one device, one micro-batch, one layer.
 
-    Each of the a/t local heads has s/c queries against s keys of dimension d.  Without flash:
-    QKᵀ and P·V as batched GEMMs (full s², masked — Megatron 2021 computes every score) and the
-    softmax (read + write e per score) and dropout (read + write e and a 1-byte mask) on b·(a/t)·(s/c)·s
-    scores; backward: two GEMMs per forward GEMM, and softmax' and dropout' (read two, write one).
+    Each of the a/t local heads has s/c queries against s keys: QKᵀ over d_qk (d, plus the rotary part under
+    MLA), P·V over d_v.  With flash attention 2·s_q·s_k·(d_qk + d_v) FLOPs per head forward (half of them
+    skipped when causal), 2.5× that backward (FlashAttention-2 recomputes QKᵀ), at the device's
+    ``attention_ceiling``.  Without flash: QKᵀ and P·V as batched GEMMs (full s², masked — Megatron 2021
+    computes every score) and the softmax (read + write e per score) and dropout (read + write e and a 1-byte
+    mask) on b·(a/t)·(s/c)·s scores; backward: two GEMMs per forward GEMM, and softmax' and dropout' (read two,
+    write one).
     """
-    s, d, e = model.seq_len, model.hidden // model.heads, model.act_bytes
+    s, e = model.seq_len, model.act_bytes
     sq, heads = s / cp, b * model.heads // tp
     if flash:
-        flops = 4 * sq * s * d * heads * (0.5 if model.causal else 1.0)
+        flops = 2 * sq * s * (model.d_qk + model.d_v) * heads * (0.5 if model.causal else 1.0)
         fwd = flops / (cluster.flops * cluster.attention_ceiling)
         return fwd, 2.5 * fwd
-    qk = gemm_time(sq, s, d, cluster, batch=heads, elem=e)
-    pv = gemm_time(sq, d, s, cluster, batch=heads, elem=e)
+    qk = gemm_time(sq, s, model.d_qk, cluster, batch=heads, elem=e)
+    pv = gemm_time(sq, model.d_v, s, cluster, batch=heads, elem=e)
     scores = heads * sq * s
     drop = 1 if model.dropout else 0
     soft_f, drop_f = 2 * e, (2 * e + 1) * drop
@@ -104,17 +142,22 @@ def attention_core_time(model: Model, cluster: Cluster, *, b: int, tp: int, cp: 
     return fwd, bwd
 
 
-def elementwise_bytes(model: Model, tokens: float, tp: int, *, sequence_parallel: bool, moe: bool = False) -> float:
+def elementwise_bytes(model: Model, tokens: float, tp: int, *, sequence_parallel: bool, moe: bool = False,
+                      ffn: float | None = None) -> float:
     """Bytes one device streams through memory in one layer's forward element-wise kernels.
 
     Per token: two norms (read + write h), two fused bias + dropout + residual adds (read 2h, write h,
     a 1-byte mask of h), and the FFN's activation (bias + GeLU: read + write f/t; SwiGLU: read 2f/t,
-    write f/t).  The h-sized ones are cut over t only with sequence parallelism.  The backward
-    streams ASSUMED twice as much (each kernel reads its saved input and the incoming gradient).
+    write f/t).  The h-sized ones are cut over t only with sequence parallelism.  ``ffn``: the activations'
+    total inner size per token (a MoE layer's k·rows·expert_ffn + the shared experts'; default the dense
+    FFN's, or with ``moe`` the experts' at the mean).  The backward streams ASSUMED twice as much (each kernel
+    reads its saved input and the incoming gradient).
     """
     e, h = model.act_bytes, model.hidden
     mask = 1 if model.dropout else 0
     per_h = 2 * (2 * e) + 2 * (3 * e + mask)
-    ffn_tokens = tokens * (model.top_k * model.capacity_factor if moe else 1)
-    ffn = (3 if model.gated_ffn else 2) * e * model.ffn / tp
-    return tokens * per_h * h / (tp if sequence_parallel else 1) + ffn_tokens * ffn
+    if ffn is None:
+        ffn = model.top_k * model.capacity * model.d_expert + model.shared_experts * model.d_shared if moe \
+            else model.ffn
+    act = (3 if model.gated_ffn else 2) * e * ffn / tp
+    return tokens * per_h * h / (tp if sequence_parallel else 1) + tokens * act

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from .model import Composition, Model
 
-__all__ = ["SCHEDULES", "schedule_name", "chunk_layers", "device_chunks", "chunks_in_flight", "bubble_units",
-           "check_layout"]
+__all__ = ["SCHEDULES", "schedule_name", "chunk_layers", "device_chunks", "chunks_in_flight", "forward_order",
+           "chunks_held", "layers_in_flight", "bubble_units", "check_layout"]
 
 SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 
@@ -92,6 +92,49 @@ def chunks_in_flight(comp: Composition, device: int, m: int) -> int:
     if v > 1:
         return min(m * v, 2 * (p - device - 1) + (v - 1) * p + 1)
     return m if comp.schedule == "gpipe" else min(m, p - device)
+
+
+def forward_order(comp: Composition, device: int, m: int) -> list[int]:
+    """The chunks of device ``device``'s chunk-forwards in the order Megatron's interleaved 1F1B runs them:
+    micro-batches in groups of p, each group through the device's chunks in turn (``microbatch_group_size_per_
+    vp_stage`` = pp, Megatron-Core's default); a plain pipeline runs its one chunk m times."""
+    p, v = comp.pp, comp.virtual_stages
+    mine = device_chunks(comp, device)
+    order = []
+    for start in range(0, m, p):
+        group = min(p, m - start)
+        for chunk in mine:
+            order += [chunk] * group
+    return order if v > 1 else [mine[0]] * m
+
+
+def chunks_held(comp: Composition, device: int, m: int) -> dict[int, int]:
+    """{chunk: its chunk-forwards} among those whose activations device ``device`` holds at its peak: the first
+    :func:`chunks_in_flight` of :func:`forward_order` (counted without building the order)."""
+    want = chunks_in_flight(comp, device, m)
+    mine = device_chunks(comp, device)
+    if comp.virtual_stages == 1:
+        return {mine[0]: want}
+    held: dict[int, int] = {}
+    for start in range(0, m, comp.pp):
+        group = min(comp.pp, m - start)
+        for chunk in mine:
+            take = min(group, want)
+            held[chunk] = held.get(chunk, 0) + take
+            want -= take
+            if not want:
+                return held
+    return held
+
+
+def layers_in_flight(model: Model, comp: Composition, device: int, m: int, chunks: list | None = None
+                     ) -> tuple[int, int]:
+    """(layers, MoE layers) whose activations device ``device`` holds at its peak: the layers of the
+    :func:`chunks_held` — an embedding-only or loss-only chunk among them holds no layer (Llama 3's and
+    Megatron-Core's layouts).  ``chunks``: :func:`chunk_layers` if already at hand."""
+    chunks = chunks or chunk_layers(model, comp)
+    held = chunks_held(comp, device, m)
+    return (sum(n * chunks[c][0] for c, n in held.items()), sum(n * chunks[c][1] for c, n in held.items()))
 
 
 def bubble_units(comp: Composition) -> float:

@@ -6,14 +6,22 @@ One layer, one micro-batch, one device (T = s·b/c tokens, weights cut over t)::
     F  = Σ GEMM(M, N, K) + attention core + element-wise bytes / hbm_bw           forward
     B  = Σ [GEMM(M, K, N) + GEMM(K, N, M)] + attention core' + 2 × element-wise     backward (dgrad + wgrad)
          + (m−1)/m · 3·grad_bytes·params / (hbm_bw · μ)        the weight gradients added into .grad, as
-         autograd accumulates them over the m micro-batches (Megatron 2021: no fused accumulation)
-    R  = F (full recomputation) | attention core forward (selective) | 0            recomputation
-    tp = 2 collectives of T·h·e forward, 2 backward, 2 more when recomputing fully — exposed unless
-         ``tp_overlap`` (Megatron 2021: all-reduces in the critical path; with SP all-gather + reduce-scatter)
+         autograd accumulates them over the m micro-batches (Megatron 2021: no fused accumulation; none with
+         ``grad_accumulation_fusion``, the wgrad GEMM adding into the buffer itself)
+         a MoE layer adds its experts' kernels (:mod:`.experts`); with ``fp8`` the GEMMs run at the FP8 peak and
+         every GEMM input (forward) and incoming gradient (backward) is cast first, read 2 bytes, write 1 and a
+         transposed copy
+    R  = F (full recomputation) | attention core forward (selective: Megatron-Core checkpoints the core
+         attention, flash or not) | 0                                               recomputation
+    tp = 2 collectives of T·h·e forward, 2 backward, 2 more when recomputing fully — exposed; with
+         ``tp_overlap`` the attention's and MLP's are overlapped with their GEMMs at the cost :mod:`.overlap`
+         computes from the run's configuration (SMs given to communication, chunks, the last one exposed)
+         (Megatron 2021: all-reduces in the critical path; with SP all-gather + reduce-scatter)
     cp = ring: c−1 K/V blocks passed forward, K/V and dK/dV backward, hidden behind attention's core
          (exposed: what exceeds it); all-gather: K/V gathered forward, dK/dV reduce-scattered backward,
          exposed; Ulysses: 4 all-to-alls of q, k, v, out each way, exposed
-    ep = 2 all-to-alls forward, 2 backward per MoE layer, exposed
+    ep = 2 all-to-alls forward, 2 backward per MoE layer, timed by where the group sits; exposed, or with
+         ``moe_overlap`` hidden behind the layer's compute on SMs the compute gives up (:mod:`.experts`)
     ZeRO-3 = a layer's parameters gathered before its forward and its backward, its gradients
          reduce-scattered after: with ``fsdp_prefetch`` the share fetched ahead (all of the next layer, or
          ``prefetch_limit`` elements of it) hides behind the previous layer's compute (exposed: what exceeds
@@ -29,7 +37,8 @@ all-gather over tp that rebuilds it).  The pipeline (slowest device T_max, bubbl
 
 Then the gradients: a ring all-reduce over dp·cp (ZeRO-1/2 and the distributed optimizer: reduce-scatter,
 then the parameters all-gathered after the step).  With ``dp_overlap`` the reduction hides behind the
-last micro-batch's backward and only what exceeds it is exposed; without it (Megatron's local DDP) all of
+last micro-batch's backward and only what exceeds it is exposed, and the parameters' all-gather behind the next
+step's first forward (Megatron's overlap_param_gather); without it (Megatron's local DDP) all of
 it is, and the last bucket (25 MiB, DDP's default, or the word embedding's gradient, computed last) is exposed
 either way.  The optimizer streams each local parameter's state (:func:`optimizer_bytes_per_param`: 52 bytes in
 mixed precision with Adam, as Megatron's fp16 optimizer runs it) at hbm_bw · μ.
@@ -44,10 +53,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .collectives import collective_time
-from .counts import _stage_params, active_params, padded_vocab
-from .kernels import attention_core_time, elementwise_bytes, gemm_time, layer_gemms, memory_time
+from .counts import _stage_params, active_params, padded_vocab, routed_rows
+from .experts import a2a_left, expert_layer_time
+from .kernels import attention_core_time, attention_gemms, elementwise_bytes, ffn_gemms, gemm_time, memory_time
 from .layout import bubble_units, chunk_layers, device_chunks
 from .model import Cluster, Composition, Model
+from .overlap import resolve, tp_overlap_cost
 
 # torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25): the default bucket, the last one posted as backward ends
 DDP_BUCKET_BYTES = 25 * 2 ** 20
@@ -68,6 +79,7 @@ class StepTime:
     mfu: float
     hfu: float
     device_times: list[float] = field(default_factory=list)   # T_k per micro-batch
+    device_kernels: list[float] = field(default_factory=list)  # each stage's kernel seconds per micro-batch
 
 
 def optimizer_bytes_per_param(model: Model) -> float:
@@ -92,75 +104,119 @@ def model_flops(model: Model, recompute: str = "none") -> tuple[float, float]:
     return mf, mf + extra
 
 
+def _gemm_pair_times(model, cluster, comp, gemms) -> tuple[float, float]:
+    """(forward, backward) seconds of a dict of forward GEMMs {name: (M, N, K)}: each once forward, its dgrad
+    [M×N]·[N×K] and wgrad [K×M]·[M×N] backward."""
+    kw = dict(elem=model.act_bytes, fp8=comp.fp8)
+    fwd = sum(gemm_time(m_, n_, k_, cluster, **kw) for m_, n_, k_ in gemms.values())
+    bwd = sum(gemm_time(m_, k_, n_, cluster, **kw) + gemm_time(k_, n_, m_, cluster, **kw)
+              for m_, n_, k_ in gemms.values())
+    return fwd, bwd
+
+
 def layer_time(model: Model, cluster: Cluster, comp: Composition, links: dict[str, str], b: int, *,
-               moe: bool = False) -> dict[str, float]:
+               moe: bool = False, spans: dict | None = None) -> dict[str, float]:
     """Seconds of one layer, one micro-batch on one device: "F", "B", "R" (kernels) and the exposed
-    communication by axis ("tp", "cp", "ep", "zero3")."""
+    communication by axis ("tp", "cp", "ep", "etp", "zero3").  A MoE layer adds its experts' terms
+    (:mod:`.experts`); ``spans``: where the expert groups sit (:func:`.placement.group_spans`)."""
     t, c, e = comp.tp, comp.cp, model.act_bytes
     tokens = model.seq_len * b / c
     sp = comp.sequence_parallel and t > 1
-    gemms = layer_gemms(model, tokens, t, moe=moe)
-    g_f = sum(gemm_time(m_, n_, k_, cluster, elem=e) for m_, n_, k_ in gemms)
-    g_b = sum(gemm_time(m_, k_, n_, cluster, elem=e) + gemm_time(k_, n_, m_, cluster, elem=e) for m_, n_, k_ in gemms)
-    a_f, a_b = attention_core_time(model, cluster, b=b, tp=t, cp=c, flash=comp.flash)
-    ew = memory_time(elementwise_bytes(model, tokens, t, sequence_parallel=sp, moe=moe), cluster)
-    F, B = g_f + a_f + ew, g_b + a_b + 2 * ew
-    R = {"none": 0.0, "selective": 0.0 if comp.flash else a_f, "full": F}[comp.recompute]
     passes = 3 if comp.recompute == "full" else 2                       # forward, backward (+ recompute)
-    out = dict(F=F, B=B, R=R, tp=0.0, cp=0.0, ep=0.0, zero3=0.0)
-    if t > 1 and not comp.tp_overlap:       # (SP's backward re-gathers hide behind the dX GEMMs, as in Megatron-Core)
-        per = (1 + model.top_k * model.capacity_factor) if moe else 2
+    gemms = attention_gemms(model, tokens, t)
+    if not moe:
+        gemms.update(ffn_gemms(model, tokens, model.ffn, t))
+    elif model.shared_experts:      # one MLP of the shared experts' summed size, cut over tp (Megatron-Core's)
+        gemms.update({f"shared_{k}": v for k, v in
+                      ffn_gemms(model, tokens, model.shared_experts * model.d_shared, t).items()})
+    g_f, g_b = _gemm_pair_times(model, cluster, comp, gemms)
+    a_f, a_b = attention_core_time(model, cluster, b=b, tp=t, cp=c, flash=comp.flash)
+    inner = None
+    ex = None
+    if moe:
+        ex = expert_layer_time(model, cluster, comp, links, spans, passes)
+        inner = model.top_k * routed_rows(model, comp.ep) * model.d_expert + model.shared_experts * model.d_shared
+    ew = memory_time(elementwise_bytes(model, tokens, t, sequence_parallel=sp, ffn=inner), cluster)
+    casts = 0.0
+    if comp.fp8:    # each GEMM's input cast to FP8 with a transposed copy forward, each incoming gradient backward
+        casts = memory_time(sum(4 * m_ * k_ for m_, n_, k_ in gemms.values()), cluster)
+    F = g_f + a_f + ew + casts + (ex["F"] if ex else 0.0)
+    B = g_b + a_b + 2 * ew + casts + (ex["B"] if ex else 0.0)
+    # selective: Megatron-Core checkpoints the core attention and runs its forward again (flash or not)
+    R = {"none": 0.0, "selective": a_f, "full": F}[comp.recompute]
+    out = dict(F=F, B=B, R=R, tp=0.0, cp=0.0, ep=0.0, etp=0.0, zero3=0.0)
+    if t > 1:
+        # all-reduce equivalents of T·h per pass: attention, then the dense FFN or the shared experts, and the
+        # routed experts when cut over the same tp ranks (SP's backward re-gathers hide behind the dX GEMMs)
+        exposed = 0 if resolve(comp.tp_overlap) else 1 + (0 if moe else 1)
+        per = exposed + (1 if moe and model.shared_experts else 0) + (ex["etp_as_tp"] if ex else 0.0)
         out["tp"] = passes * per * collective_time("all_reduce", tokens * model.hidden * e, t, cluster, links["tp"])
+        cost_f, cost_b = tp_overlap_cost(model, cluster, comp, tokens, moe=moe)
+        out["tp"] += cost_f * (passes - 1) + cost_b
     if c > 1:
-        kv = 2 * tokens * model.kv_heads * (model.hidden // model.heads) * e / min(t, model.kv_heads)
-        if comp.cp_algorithm == "ring":
-            hop = collective_time("p2p", kv, 2, cluster, links["cp"])
-            fwd_x = max(0.0, (c - 1) * hop - a_f)
-            bwd_x = max(0.0, (c - 1) * 2 * hop - a_b)
-            out["cp"] = fwd_x * (passes - 1) + bwd_x
-        elif comp.cp_algorithm == "allgather":
-            ag = collective_time("all_gather", kv * c, c, cluster, links["cp"])
-            out["cp"] = ag * (passes - 1) + collective_time("reduce_scatter", kv * c, c, cluster, links["cp"])
-        elif comp.cp_algorithm == "ulysses":
-            qkvo = tokens * (2 * model.heads + 2 * model.kv_heads) * (model.hidden // model.heads) * e / t
-            out["cp"] = 4 * passes * collective_time("all_to_all", qkvo / 4, c, cluster, links["cp"])
-        else:
-            raise ValueError(f"cp_algorithm={comp.cp_algorithm!r}: choose ring, allgather or ulysses")
-    if moe and comp.ep > 1:
-        routed = model.top_k * model.capacity_factor * tokens / (t if comp.sequence_parallel else 1) \
-            * model.hidden * e
-        out["ep"] = 2 * passes * collective_time("all_to_all", routed, comp.ep, cluster, links["ep"])
+        out["cp"] = _cp_exposed(model, cluster, comp, links, tokens, a_f, a_b, passes)
+    if ex:
+        out["etp"] = ex["etp"]
+        out["ep"] = a2a_left(ex["a2a"], F * (passes - 1) + B, cluster, comp.moe_overlap)
     if comp.zero == 3 and comp.dp * c > 1:
-        n_dp = comp.dp * c // (comp.ep if moe else 1)
-        dense, experts, _ = _stage_params(model, t, comp.ep, 1, 1 if moe else 0, False, False)
-        gather = collective_time("all_gather", (dense + experts) * model.param_bytes, n_dp, cluster,
-                                 links["edp" if moe else "dp"])
-        scatter = collective_time("reduce_scatter", (dense + experts) * model.grad_bytes, n_dp, cluster,
-                                  links["edp" if moe else "dp"])
-        # the share of a layer's gather issued ahead of use hides behind the compute before it; the rest
-        # waits in the critical path (the reduce-scatter is posted after the layer's backward and overlaps)
-        layer = dense + experts
-        ahead = 0.0 if not comp.fsdp_prefetch else (1.0 if comp.prefetch_limit is None
-                                                    else min(1.0, comp.prefetch_limit / layer))
-        out["zero3"] = (2 * (1 - ahead) * gather + max(0.0, ahead * gather - F)
-                        + max(0.0, ahead * gather + scatter - B - R))
+        out["zero3"] = _zero3_exposed(model, cluster, comp, links, moe, F, B, R)
     return out
 
 
-def _chunk_time(model, cluster, comp, links, b, n_layers, n_moe, first, last, accumulate=0.0
+def _cp_exposed(model, cluster, comp, links, tokens, a_f, a_b, passes) -> float:
+    """Context parallelism's exposed seconds per layer: the ring's K/V passes beyond attention's core, or the
+    all-gather / Ulysses all-to-alls whole."""
+    t, c, e = comp.tp, comp.cp, model.act_bytes
+    kv_heads = model.heads if model.mla else model.kv_heads
+    kv = tokens * kv_heads * (model.d_qk + model.d_v) * e / min(t, kv_heads)
+    if comp.cp_algorithm == "ring":
+        hop = collective_time("p2p", kv, 2, cluster, links["cp"])
+        fwd_x = max(0.0, (c - 1) * hop - a_f)
+        bwd_x = max(0.0, (c - 1) * 2 * hop - a_b)
+        return fwd_x * (passes - 1) + bwd_x
+    if comp.cp_algorithm == "allgather":
+        ag = collective_time("all_gather", kv * c, c, cluster, links["cp"])
+        return ag * (passes - 1) + collective_time("reduce_scatter", kv * c, c, cluster, links["cp"])
+    if comp.cp_algorithm == "ulysses":
+        qkvo = tokens * (model.heads * (model.d_qk + model.d_v) + kv_heads * (model.d_qk + model.d_v)) * e / t
+        return 4 * passes * collective_time("all_to_all", qkvo / 4, c, cluster, links["cp"])
+    raise ValueError(f"cp_algorithm={comp.cp_algorithm!r}: choose ring, allgather or ulysses")
+
+
+def _zero3_exposed(model, cluster, comp, links, moe, F, B, R) -> float:
+    """ZeRO-3's exposed seconds per layer: the parameter gathers not fetched ahead (or not hidden by the layer
+    before), and the gradients' reduce-scatter beyond the backward.  Dense parameters over dp·cp, experts over
+    edp."""
+    n_dp = comp.dp * comp.cp
+    edp = comp.tp * comp.cp * comp.dp // (comp.expert_tp * comp.ep)
+    dense, experts, _ = _stage_params(model, comp.tp, comp.ep, 1, 1 if moe else 0, False, False, comp.expert_tp)
+    groups = [(dense, n_dp, links["dp"]), (experts, edp, links["edp"])] if experts else [(dense, n_dp, links["dp"])]
+    gather = sum(collective_time("all_gather", psi * model.param_bytes, n, cluster, link) for psi, n, link in groups)
+    scatter = sum(collective_time("reduce_scatter", psi * model.grad_bytes, n, cluster, link)
+                  for psi, n, link in groups)
+    # the share of a layer's gather issued ahead of use hides behind the compute before it; the rest
+    # waits in the critical path (the reduce-scatter is posted after the layer's backward and overlaps)
+    layer = dense + experts
+    ahead = 0.0 if not comp.fsdp_prefetch else (1.0 if comp.prefetch_limit is None
+                                                else min(1.0, comp.prefetch_limit / layer))
+    return 2 * (1 - ahead) * gather + max(0.0, ahead * gather - F) + max(0.0, ahead * gather + scatter - B - R)
+
+
+def _chunk_time(model, cluster, comp, links, b, n_layers, n_moe, first, last, accumulate=0.0, spans=None
                 ) -> tuple[float, float, dict]:
     """(kernel seconds, backward-and-recompute seconds, exposed by axis) of one chunk, one micro-batch.
-    ``accumulate``: the share of micro-batches whose weight gradients are added into ``.grad`` (m−1 of m)."""
-    exposed = dict(tp=0.0, cp=0.0, ep=0.0, zero3=0.0)
+    ``accumulate``: the share of micro-batches whose weight gradients are added into ``.grad`` (m−1 of m);
+    none with ``grad_accumulation_fusion`` (the wgrad GEMM adds into the gradient buffer itself)."""
+    exposed = dict(tp=0.0, cp=0.0, ep=0.0, etp=0.0, zero3=0.0)
     kernels, backward = 0.0, 0.0
-    if accumulate:      # .grad += this micro-batch's gradient: read both, write one (grad_bytes each)
-        dense, experts, _ = _stage_params(model, comp.tp, comp.ep, n_layers, n_moe, first, last)
+    if accumulate and not comp.grad_accumulation_fusion:  # .grad += this micro-batch's: read both, write one
+        dense, experts, _ = _stage_params(model, comp.tp, comp.ep, n_layers, n_moe, first, last, comp.expert_tp)
         add = accumulate * memory_time(3 * model.grad_bytes * (dense + experts), cluster)
         kernels += add
         backward += add
     for count, moe in ((n_layers - n_moe, False), (n_moe, True)):
         if count:
-            lt = layer_time(model, cluster, comp, links, b, moe=moe)
+            lt = layer_time(model, cluster, comp, links, b, moe=moe, spans=spans)
             kernels += count * (lt["F"] + lt["B"] + lt["R"])
             backward += count * (lt["B"] + lt["R"])
             for k in exposed:
@@ -192,10 +248,10 @@ def _chunk_time(model, cluster, comp, links, b, n_layers, n_moe, first, last, ac
 
 
 def step_time(model: Model, cluster: Cluster, comp: Composition, links: dict[str, str], m: int, b: int,
-              dense_params: float, expert_params: float) -> StepTime:
+              dense_params: float, expert_params: float, spans: dict | None = None) -> StepTime:
     """The step of one composition (the module docstring's equations).  ``dense_params`` and
     ``expert_params``: parameters held by the device with the most (for the gradient sync and the
-    optimizer)."""
+    optimizer); ``spans``: where the expert groups sit (:func:`.placement.group_spans`)."""
     p, v, t = comp.pp, comp.virtual_stages, comp.tp
     chunks = chunk_layers(model, comp)
     n_chunks = p * v
@@ -208,11 +264,11 @@ def step_time(model: Model, cluster: Cluster, comp: Composition, links: dict[str
     dev_time, dev_kernels, dev_backward, dev_exposed = [], [], [], []
     for k in range(p):
         total, kern, back = 0.0, 0.0, 0.0
-        exp = dict(tp=0.0, cp=0.0, ep=0.0, zero3=0.0, pp=0.0)
+        exp = dict(tp=0.0, cp=0.0, ep=0.0, etp=0.0, zero3=0.0, pp=0.0)
         for ch in device_chunks(comp, k):
             key = (*chunks[ch], ch == 0, ch == n_chunks - 1)
             if key not in cache:
-                cache[key] = _chunk_time(model, cluster, comp, links, b, *key, accumulate=(m - 1) / m)
+                cache[key] = _chunk_time(model, cluster, comp, links, b, *key, accumulate=(m - 1) / m, spans=spans)
             kc, bc, ec = cache[key]
             kern += kc
             back += bc
@@ -231,12 +287,14 @@ def step_time(model: Model, cluster: Cluster, comp: Composition, links: dict[str
     pipeline = m * t_max + fill
     # --- gradient synchronisation over dp·cp (experts over edp) and the optimizer
     n_dp = comp.dp * comp.cp
+    edp = comp.tp * comp.cp * comp.dp // (comp.expert_tp * comp.ep)
     sharded = comp.zero >= 1 or comp.distributed_optimizer
+    forward = dev_kernels[slow] - dev_backward[slow]        # the slow device's forward of one micro-batch
     sync, sync_exposed = 0.0, 0.0
     if comp.zero < 3:
         groups = [(dense_params, n_dp, links["dp"])]
         if expert_params:
-            groups.append((expert_params, n_dp // comp.ep, links["edp"]))
+            groups.append((expert_params, edp, links["edp"]))
         # with overlap, the last bucket is posted when backward ends: it is exposed whatever the window.  On the
         # device holding the word embedding that bucket is the table's gradient (produced last); else one bucket
         embed = padded_vocab(model, comp.tp) // comp.tp * model.hidden if 0 in device_chunks(comp, slow) else 0
@@ -246,16 +304,22 @@ def step_time(model: Model, cluster: Cluster, comp: Composition, links: dict[str
             kind = "reduce_scatter" if sharded else "all_reduce"
             reduce = collective_time(kind, psi * model.grad_bytes, n, cluster, link)
             gather = collective_time("all_gather", psi * model.param_bytes, n, cluster, link) if sharded else 0.0
-            if comp.dp_overlap:
+            if comp.dp_overlap:     # the gradients during the last backward; the parameters (sharded) during the
+                #                     next step's first forward, bucket by bucket as Megatron's overlap_param_gather
                 tail = collective_time(kind, min(last, psi * model.grad_bytes), n, cluster, link)
                 exposed_reduce = max(tail, reduce - dev_backward[slow])
+                first = collective_time("all_gather", min(last, psi * model.param_bytes), n, cluster, link)
+                exposed_gather = max(first, gather - forward) if sharded else 0.0
             else:
-                exposed_reduce = reduce
+                exposed_reduce, exposed_gather = reduce, gather
             sync += reduce + gather
-            sync_exposed += exposed_reduce + gather
+            sync_exposed += exposed_reduce + exposed_gather
     local = (dense_params / (n_dp if sharded else 1)
-             + (expert_params / max(1, n_dp // comp.ep) if sharded else expert_params))
-    optimizer = memory_time(local * optimizer_bytes_per_param(model), cluster)
+             + (expert_params / max(1, edp) if sharded else expert_params))
+    # the optimizer streams its state; with FP8 it also casts every local weight to FP8 once (read 2, write 1 and
+    # a transposed copy), as TransformerEngine caches the cast weights over a step's micro-batches
+    per_param = optimizer_bytes_per_param(model) + (4 if comp.fp8 else 0)
+    optimizer = memory_time(local * per_param, cluster)
     step = pipeline + sync_exposed + optimizer
     exposed = {a: m * x for a, x in dev_exposed[slow].items() if x > 0}
     if sync_exposed > 0:
@@ -264,4 +328,4 @@ def step_time(model: Model, cluster: Cluster, comp: Composition, links: dict[str
     peak = step * cluster.devices * cluster.flops
     return StepTime(step=step, pipeline=pipeline, compute=m * dev_kernels[slow], bubble=fill, exposed=exposed,
                     optimizer=optimizer, model_flops=mf, hardware_flops=hf, mfu=mf / peak, hfu=hf / peak,
-                    device_times=dev_time)
+                    device_times=dev_time, device_kernels=dev_kernels)

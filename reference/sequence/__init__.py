@@ -3,7 +3,7 @@
 Read in this order: :mod:`.layouts` (who holds which tokens), :mod:`.blockwise` (attention one
 block at a time and the merge), :mod:`.ring` (forward and backward around a ring),
 :mod:`.ulysses` (all-to-all between sequence and head sharding), :mod:`.usp` (both at once),
-:mod:`.scaling` (a timeline model of ring, Ulysses and all-gather attention vs W, calibrated here).
+:mod:`.scaling` (a timeline model of ring, Ulysses and all-gather attention vs W, in the α–β model).
 Tensors are (batch, heads, seq, head_dim), as in ``scaled_dot_product_attention``.
 """
 from .blockwise import (attention_block, attention_block_backward, attention_block_backward_explicit,

@@ -31,9 +31,13 @@ h // (heads_q / heads_kv).  ``causal=True`` is the top-left aligned mask: query 
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import torch
+
+from .. import trace
 
 __all__ = ["attention_block", "attention_block_explicit", "attention_block_backward",
            "attention_block_backward_explicit", "merge_attention", "blockwise_attention", "block_kernels",
@@ -67,10 +71,32 @@ def causal_pairs(n_q: int, n_k: int) -> int:
     return m * (m + 1) // 2 + max(0, n_q - n_k) * n_k
 
 
+def _measured(what: str):
+    """A given kernel called outside any traced block — a learner's ring calls it bare — records the
+    block as a ``compute`` event (``what``, ``pairs``: unmasked (query, key) pairs of one batch
+    element and head), so that the lecture measures pairs per rank, and draws the timeline, of a
+    learner's run as of the reference's, which traces its own blocks (and is not counted twice)."""
+    def deco(kernel):
+        signature = inspect.signature(kernel)
+
+        @functools.wraps(kernel)
+        def measured(*args, **kwargs):
+            if not trace.is_recording() or trace.in_span():
+                return kernel(*args, **kwargs)
+            given = signature.bind(*args, **kwargs).arguments
+            n_q, n_k = given["q"].shape[-2], given["k"].shape[-2]
+            pairs = causal_pairs(n_q, n_k) if given.get("causal") else n_q * n_k
+            with trace.span("compute", what=what, pairs=pairs):
+                return kernel(*args, **kwargs)
+        return measured
+    return deco
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward
 
 
+@_measured("attn_fwd")
 def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries ``q`` over one block of keys/values, with the log-sum-exp of each row.
@@ -89,6 +115,7 @@ def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     return out, lse
 
 
+@_measured("attn_fwd")
 def attention_block_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`attention_block`, written out::
@@ -126,6 +153,7 @@ def attention_block_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 # Backward
 
 
+@_measured("attn_bwd")
 def attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, *, causal: bool = False,
                              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,6 +171,7 @@ def attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         dout, q, k, v, out, lse, 0.0, causal, scale=_scale(q, scale))
 
 
+@_measured("attn_bwd")
 def attention_block_backward_explicit(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                       out: torch.Tensor, lse: torch.Tensor, *, causal: bool = False,
                                       scale: float | None = None

@@ -184,6 +184,10 @@ def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     likewise.  Returns (out (B, H, n, D), lse (B, H, n)) for this rank's queries over all S keys —
     equal to rows ``positions(S, r, W, layout)`` of full attention.  ``kernel``: "fused" or
     "explicit" block kernel.  Every rank of ``group`` must call it with the same shapes.
+
+    Which rows of the held block a step computes, and with which mask, is
+    ``block_plan(r, j, W, layout, causal, n)`` (given): a list of kernel calls, empty for a
+    fully masked block.
     """
     check_attention_inputs(q, k, v, layout, comm.world_size(group))
     forward, _ = block_kernels(kernel)
@@ -265,8 +269,10 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                          +r2   +r3   +r0   +r1       each adds its share; r1's is its step-0 share,
                          (starts from zeros)         kept aside until the accumulator comes home
 
-    Bytes sent per rank: (W−1)·2·n·H_kv·D·b for K/V, and as many again (at the accumulation dtype:
-    float32 for half precision) for dK/dV: twice the forward.  Blocks are planned as in the forward
+    Bytes sent per rank: (W−1)·2·n·H_kv·D·b for K/V (b bytes per value), and (W−1)·2·n·H_kv·D·b_acc
+    for the dK/dV accumulators, which travel in the accumulation dtype (float32: b_acc = 4 for
+    bfloat16 or float16 inputs, b_acc = b otherwise): twice the forward's bytes in float32, three times
+    with bfloat16 K/V (b = 2, b_acc = 4).  Blocks are planned as in the forward
     (:func:`block_plan`: causal layouts skip masked blocks); compute events are traced with
     ``what="attn_bwd"``, messages with ``phase="bwd"``.
     """

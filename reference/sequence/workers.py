@@ -22,8 +22,8 @@ from .ring import ring_attention, ring_attention_forward
 from .ulysses import ulysses_attention
 from .usp import usp_attention, usp_groups, usp_shard
 
-__all__ = ["make_inputs", "ring_worker", "ulysses_call_worker", "usp_worker", "ring_replay_worker",
-           "ring_timing_worker", "peak_memory_worker", "bytes_worker"]
+__all__ = ["make_inputs", "ring_worker", "ulysses_call_worker", "ulysses_limit_worker", "usp_worker",
+           "ring_replay_worker", "ring_timing_worker", "peak_memory_worker", "bytes_worker"]
 
 
 def make_inputs(seq_len: int, *, batch: int = 1, heads: int = 2, heads_kv: int | None = None, head_dim: int = 8,
@@ -64,6 +64,16 @@ def ulysses_call_worker(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     return {"out": ulysses_attention(q, k, v, causal=causal)}
 
 
+def ulysses_limit_worker(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """Ulysses on heads the world may not divide: {"raised": exception type, "message"} if this rank raised,
+    else {}.  Caught here, so the world stays up for the next run (a rank's exception stops the world)."""
+    try:
+        ulysses_attention(q, k, v)
+    except Exception as e:  # noqa: BLE001 - the demo reports what every rank raised, whatever it is
+        return {"raised": type(e).__name__, "message": str(e)}
+    return {}
+
+
 def usp_worker(seq_len: int, ulysses_size: int, ring_size: int, layout: str = "zigzag", causal: bool = False,
                **inputs) -> dict:
     """USP on a U × R grid; returns this rank's piece of out, dq, dk, dv (as :func:`.usp.usp_shard`)."""
@@ -96,22 +106,62 @@ def ring_replay_worker(seq_len: int, world_size: int, layout: str, causal: bool,
 
 
 def ring_timing_worker(seq_len: int, world_size: int, layout: str = "zigzag", causal: bool = True, *,
-                       backward: bool = False, **inputs) -> dict | None:
-    """One timed ring forward (and backward) on ranks 0..world_size-1; the caller reads the trace."""
+                       backward: bool = False, alone: bool = False, **inputs) -> dict | None:
+    """One timed ring forward (and backward) on ranks 0..world_size-1; the caller reads the trace.
+
+    Returns {"seconds": this rank's wall time}; with ``alone=True`` (forward only) also "alone": the
+    seconds of the same block computations run again with no message at all (best of 3, every rank at
+    once, as in the ring), and "comm_cpu": the CPU seconds gloo's threads used during the ring forward
+    (None where /proc does not tell) — what the "hidden" messages took from the cores the blocks run on."""
     import time
+
+    from ..cpu_time import thread_cpu_seconds              # gloo's threads' CPU time, from /proc (lecture 3)
     group = comm.first_ranks_group(world_size)
     r = comm.rank()
     if r >= world_size:
         return None
-    q, k, v, dout = (shard_sequence(t, r, world_size, layout) for t in make_inputs(seq_len, **inputs))
+    full = make_inputs(seq_len, **inputs)
+    q, k, v, dout = (shard_sequence(t, r, world_size, layout) for t in full)
+    alone = alone and not backward
     comm.barrier(group=group)
+    cpu0 = thread_cpu_seconds() if alone else None
     t0 = time.perf_counter()
     if backward:
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-        ring_attention(qg, kg, vg, causal=causal, layout=layout, group=group).backward(dout)
+        out = ring_attention(qg, kg, vg, causal=causal, layout=layout, group=group)
+        trace.emit("backward_start")               # what was sent before it is the forward's
+        out.backward(dout)
     else:
         ring_attention_forward(q, k, v, causal=causal, layout=layout, group=group)
-    return {"seconds": time.perf_counter() - t0}
+    out = {"seconds": time.perf_counter() - t0}
+    if alone:
+        cpu1 = thread_cpu_seconds()
+        out["comm_cpu"] = cpu1["communication"] - cpu0["communication"] if cpu0 and cpu1 else None
+        out["alone"] = _blocks_alone(full, r, world_size, layout, causal, group)
+    return out
+
+
+def _blocks_alone(full, r: int, world_size: int, layout: str, causal: bool, group, repeats: int = 3) -> float:
+    """Seconds of the blocks rank r computes in a ring forward, computed here with no message, best of
+    ``repeats``: every K/V shard is cut from the full inputs (every rank builds them), the same kernel calls
+    in the same order, every rank of the group at once (as in the ring)."""
+    import time
+
+    from .blockwise import attention_block
+    from .ring import block_plan
+    q = shard_sequence(full[0], r, world_size, layout)
+    kv = [[shard_sequence(t, j, world_size, layout) for t in full[1:3]] for j in range(world_size)]
+    n, best = q.shape[-2], float("inf")
+    with torch.no_grad(), trace.quiet():
+        for _ in range(repeats):
+            comm.barrier(group=group)
+            t0 = time.perf_counter()
+            for s in range(world_size):
+                j = (r - s) % world_size
+                for p in block_plan(r, j, world_size, layout, causal, n):
+                    attention_block(q[..., p.q, :], kv[j][0][..., p.k, :], kv[j][1][..., p.k, :], causal=p.causal)
+            best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _rss_kib(field: str) -> int:

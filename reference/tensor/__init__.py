@@ -8,7 +8,8 @@
               sync_sequence_parallel_grads, activation recomputation (ParallelBlock(recompute=))
     vocab     VocabParallelEmbedding, vocab_parallel_cross_entropy
     costs     bytes on the wire per collective, counted from a trace; Korthikanti et al.'s activation memory
-    workers   rank functions: the tests, the grader, benchmarks/tensor_parallel.py and the notebook run them
+    workers   rank functions: the tests, the grader, the notebook and the full course's benchmarks/tensor_parallel.py
+              run them
     lecture   the notebook's recorded runs
 
 Read them in that order.

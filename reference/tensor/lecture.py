@@ -43,10 +43,20 @@ def block_costs(S: int = 16, B: int = 2, d_model: int = 32, heads: int = 4, worl
         for tp in (1, 2, 4):
             for sp in (False, True):
                 res = w.run(block_worker, tp, sp, S, B, d_model, heads)
-                out["runs"][(tp, sp)] = {"collectives": [c for c in collectives(res.trace, rank=0, W=tp)
-                                                         if c["operator"] != "sp-grad-sync"],
-                                         **res.values[0]}
+                out["runs"][(tp, sp)] = {"collectives": [c for c in directed(res.trace, tp)
+                                                         if c["operator"] != "sp-grad-sync"], **res.values[0]}
     return out
+
+
+def directed(trace, tp: int) -> list[dict]:
+    """Rank 0's collectives (:func:`.costs.collectives`), each with its direction: its own, or — a learner's f
+    and g need not say — "backward" if it started after the run's ``backward_start`` event, else "forward"."""
+    began = min(e.start for e in trace.filter(op="backward_start", rank=0))
+    events = trace.filter(op=("all_reduce", "all_gather", "reduce_scatter"), rank=0)
+    cols = collectives(trace, rank=0, W=tp)
+    for c, e in zip(cols, events):
+        c["direction"] = c["direction"] or ("backward" if e.start >= began else "forward")
+    return cols
 
 
 @recordable("04a.saved_activations", needs=("4.1", "4.2"))
@@ -77,7 +87,7 @@ def vocab_loss(tp: int = 4, tokens: int = 6, V: int = 32000, scale: float = 30.0
     with _world(world) as w:
         res = w.run(vocab_worker, tp, tokens, V, scale)
     return {"tp": tp, "tokens": tokens, "V": V, "loss": res.values[0]["loss"], "want": res.values[0]["want"],
-            "collectives": [{"what": e.meta.get("what"), "nbytes": e.nbytes}
+            "collectives": [{"what": e.meta.get("what", "(no what=)"), "nbytes": e.nbytes}
                             for e in res.trace.filter(op="all_reduce", rank=0)]}
 
 

@@ -1,4 +1,4 @@
-"""Rank functions of lecture 4a: what the tests, the grader and ``benchmarks/tensor_parallel.py`` run,
+"""Rank functions of lecture 4a: what the tests, the grader and the full course's ``benchmarks/tensor_parallel.py`` run,
 and the rank side of the notebook's runs (:mod:`.lecture`).
 
 Every rank builds the same full single-process module and the same inputs from a seed
@@ -12,7 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .. import comm
+from .. import comm, trace
 from ..saved import saved_bytes
 from .blocks import (MLP, Block, ParallelBlock, ParallelMLP, ParallelSelfAttention, SelfAttention,
                      sync_sequence_parallel_grads)
@@ -335,6 +335,7 @@ def block_worker(tp: int, sequence_parallel: bool, S: int, B: int, d_model: int,
     out = {}
     with FlopCounterMode(display=False) as flops:
         act = saved_bytes(lambda: out.setdefault("y", pb(xin)), params)
+        trace.emit("backward_start")        # a collective after it that does not say its direction is the backward's
         out["y"].backward(torch.ones_like(out["y"]))
     return {"param_bytes": sum(p.numel() * p.element_size() for p in params), "activation_bytes": act,
             "flops": flops.get_total_flops()}

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["timeline_state", "timeline_stats", "step_exposed", "draw_timeline", "timeline_caption", "timeline_player"]
+__all__ = ["timeline_state", "timeline_stats", "step_exposed", "step_time", "thread_cpu", "draw_timeline",
+           "timeline_caption", "timeline_player"]
 
 N_STEPS = 24
 
@@ -61,6 +62,32 @@ def step_exposed(trace) -> float:
     end of the last all-reduce on any rank.  A rank's own tail (``timeline_stats``' "exposed") also counts the
     time it waits for a peer that started backward later; this is what the step pays for communication."""
     return _step_tail(timeline_stats(trace))
+
+
+def step_time(trace) -> dict[str, float]:
+    """What the step pays (seconds), the backward and its exposed tail added up:
+
+        backward   from the first rank's start of backward to the last rank's end of it
+        exposed    :func:`step_exposed`: communication still running after that
+        step       backward + exposed — the figure overlap must shorten to be worth it
+
+    Overlap shortens the tail; it pays only if the backward does not grow by more (on a CPU the communication
+    runs on the cores the backward computes on)."""
+    stats = timeline_stats(trace)
+    if not stats:
+        return {"backward": 0.0, "exposed": 0.0, "step": 0.0}
+    backward = max(s["backward_end"] for s in stats.values()) - min(s["backward_start"] for s in stats.values())
+    exposed = _step_tail(stats)
+    return {"backward": backward, "exposed": exposed, "step": backward + exposed}
+
+
+def thread_cpu(trace) -> dict[str, float] | None:
+    """CPU seconds the backward used per rank, by role, averaged over ranks: {"compute", "communication"} from
+    the ``thread_cpu`` events a traced backward leaves (``reference.data.workers``), None without them."""
+    rows = [_meta(e) for e in trace if _get(e, "op") == "thread_cpu"]
+    if not rows:
+        return None
+    return {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in ("compute", "communication")}
 
 
 def _step_tail(stats: dict) -> float:

@@ -1,8 +1,10 @@
 """Replay a collective: ranks on a circle, chunks moving step by step.
 
-Works for any trace whose point-to-point messages carry ``step`` and ``meta["chunk"]`` (the ring
-collectives of lecture 0 do), and for one-shot collectives such as an all-to-all whose event lists
-bytes per destination (``meta["send_bytes"]``).
+Works for any trace of a ring collective's point-to-point messages.  The reference's carry ``step``,
+``meta["phase"]`` and ``meta["chunk"]``; a learner's need not: a message without them is placed by its
+order among its rank's sends (the k-th send of a rank is ring step k; in an all-reduce the first N−1
+are the reduce-scatter) and its chunk by the ring's rule (rank r sends chunk (r − s) mod N at
+reduce-scatter step s, (r + 1 − s) mod N at all-gather step s) — see :func:`ring_steps`.
 
 State (pure, tested)::
 
@@ -50,7 +52,7 @@ def collective_frames(trace: Sequence[Any], world_size: int, start: str = "all",
     """
     n = world_size
     nchunks = chunks or n
-    sends = [e for e in trace if getattr(e, "op", None) == "send" and e.step is not None]
+    sends = ring_steps([e for e in trace if getattr(e, "op", None) == "send"], n, start)
     order = {p: i for i, p in enumerate(PHASES)}
     keys = sorted({(order.get(e.meta.get("phase"), len(PHASES)), e.meta.get("phase", ""), e.step) for e in sends})
     if start == "all":
@@ -78,6 +80,36 @@ def collective_frames(trace: Sequence[Any], world_size: int, start: str = "all",
         label = f"{phase} step {step}" if phase else f"step {step}"
         frames.append(Frame(i, label, sorted(msgs), [dict(h) for h in hold], list(sent), n))
     return frames
+
+
+def inferred(trace: Sequence[Any]) -> bool:
+    """Whether some send lacks the step, phase or chunk that :func:`ring_steps` then infers."""
+    return any(e.step is None or "phase" not in e.meta or "chunk" not in e.meta
+               for e in trace if getattr(e, "op", None) == "send")
+
+
+def ring_steps(sends: Sequence[Any], world_size: int, start: str = "all") -> list[Any]:
+    """``sends`` with the step, phase and chunk of every message: its own where it has all three,
+    else inferred from its place among its rank's sends, in the order they were posted.
+
+    start "all" (an all-reduce or a reduce-scatter): sends 0 … N−2 of a rank are reduce-scatter steps
+    0 … N−2, the rest all-gather steps 0, 1, …; start "one": all-gather steps.  Chunks follow the ring:
+    reduce-scatter step s sends chunk (r − s) mod N, all-gather step s chunk (r + 1 − s) mod N.
+    """
+    if not inferred(sends):
+        return list(sends)
+    from dataclasses import replace
+    n, out = world_size, []
+    by_rank: dict[int, list[Any]] = {}
+    for i, e in enumerate(sends):
+        by_rank.setdefault(e.rank, []).append((e.start, i, e))
+    for r, mine in by_rank.items():
+        scatter = min(len(mine), n - 1) if start == "all" else 0
+        for k, (_, _, e) in enumerate(sorted(mine, key=lambda t: t[:2])):
+            phase, s = ("reduce-scatter", k) if k < scatter else ("all-gather", k - scatter)
+            chunk = (r - s) % n if phase == "reduce-scatter" else (r + 1 - s) % n
+            out.append(replace(e, step=s, meta={**e.meta, "phase": phase, "chunk": e.meta.get("chunk", chunk)}))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,6 +186,8 @@ def collective_player(trace: Trace, world_size: int, *, start: str = "all", tota
     (``static_step``: the frame a headless run shows as a picture)."""
     from .player import Player
     frames = collective_frames(trace, world_size, start=start)
+    if inferred(trace):
+        title = (title + " — " if title else "") + "steps and chunks read from the order of each rank's messages"
 
     def caption(fr: Frame) -> str:
         if not fr.messages:

@@ -16,7 +16,8 @@ The run (``reference.tensor.lecture.mlp_run``) gives the shapes and rank 0's col
                (fc1 kept only its S/W rows of X under sequence parallelism: ``what="sp_regather"``)
 
 Which position a collective takes comes from its trace meta (``direction``, ``layer``) and, when a
-run lacks it, from its order.  The state is a plain dict (tested in tests/widgets/test_matrix_split.py).
+run lacks it, from its order.  The state is a plain dict (tested in the full course's
+tests/widgets/test_matrix_split.py).
 """
 from __future__ import annotations
 

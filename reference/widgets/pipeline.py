@@ -16,245 +16,23 @@
 Colour = micro-batch (one hue each): F light, B dark, W (zero-bubble weight gradient) hatched.
 Interleaved runs: one row per rank (its virtual stages c·p + r named), chunk c's blocks underlined c times.
 
-Pure part, unit-tested: :func:`pipeline_timeline` reads a trace once (compute events: ``meta``
-``what``/``microbatch``/``chunk``/``stage``/``stashed``; send/recv: ``what`` "activation" or
-"gradient", ``microbatch``) into blocks, messages and stash curves, either in **slots** — the
-order each rank ran, re-laid out with every F, B, W one slot, each as early as its inputs allow
-(F of stage s after F of stage s−1, B of s after B of s+1 and its own F, W after its B): the
-idealised picture of what actually ran — or in **wall** clock (measured start/end in ms from the
-first block).  :func:`gantt_state` cuts it at time ``t``.  Bubble = idle / (p × makespan).
-Drawing: :func:`draw_gantt`.  Widget: :func:`pipeline_player` over runs keyed ``(schedule, p, m)``.
+Pure part, unit-tested, in :mod:`.gantt`: :func:`~.gantt.pipeline_timeline` lays a trace out in slots or
+wall clock, :func:`~.gantt.order_timeline` a schedule's order without a run, :func:`~.gantt.gantt_state`
+cuts either at time ``t``.  Drawing: :func:`draw_gantt` (one frame), :func:`draw_order` (a whole order,
+overlapped pairs outlined).  Widget: :func:`pipeline_player` over runs keyed ``(schedule, p, m)``.
 """
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Block", "Message", "Timeline", "GanttState", "PipelineRun", "pipeline_timeline", "gantt_state",
-           "draw_gantt", "caption", "pipeline_player"]
+from .gantt import Block, GanttState, Message, Timeline, gantt_state, order_timeline, pipeline_timeline
+
+__all__ = ["Block", "Message", "Timeline", "GanttState", "PipelineRun", "pipeline_timeline", "order_timeline",
+           "gantt_state", "draw_gantt", "draw_order", "caption", "pipeline_player"]
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 BUBBLE_GREY = "#dcdcdc"
-
-
-def _get(e: Any, name: str, default=None):
-    """Events are :class:`reference.trace.Event` objects or plain dicts."""
-    return e.get(name, default) if isinstance(e, dict) else getattr(e, name, default)
-
-
-@dataclass(frozen=True)
-class Block:
-    rank: int
-    kind: str             # "F", "B" or "W"
-    microbatch: int
-    chunk: int
-    stage: int            # virtual stage = chunk·p + rank
-    start: float          # slots, or ms since the first block
-    end: float
-    stashed: int | None = None   # micro-batches this rank holds after it (trace meta), if recorded
-
-
-@dataclass(frozen=True)
-class Message:
-    src: int
-    dst: int
-    what: str             # "activation" (F → F, down) or "gradient" (B → B, up)
-    microbatch: int
-    depart: float         # the producing block's end (wall: the send's posting)
-    arrive: float         # the consuming block's start (wall: when the receiver had it in hand)
-    consumer: Block
-    nbytes: int = 0
-
-
-@dataclass
-class Timeline:
-    """A whole run laid out on one clock: what :func:`gantt_state` cuts at ``t``."""
-
-    clock: str                                   # "slots" or "wall"
-    ranks: int
-    virtual_stages: int
-    num_microbatches: int
-    blocks: list[Block]
-    messages: list[Message]
-    stash: dict[int, list[tuple[float, int]]]    # rank -> [(time, held from then on)], starts at (0, 0)
-    span: float                                  # last end − first start (the first start is 0)
-
-    @property
-    def unit(self) -> str:
-        return "slots" if self.clock == "slots" else "ms"
-
-    @property
-    def busy(self) -> dict[int, float]:
-        out = {r: 0.0 for r in range(self.ranks)}
-        for b in self.blocks:
-            out[b.rank] += b.end - b.start
-        return out
-
-    @property
-    def bubble_per_rank(self) -> dict[int, float]:
-        return {r: 1 - busy / self.span if self.span else 0.0 for r, busy in self.busy.items()}
-
-    @property
-    def bubble(self) -> float:
-        """idle / total with total = p × makespan, idle = total − busy (the lecture's definition)."""
-        total = self.ranks * self.span
-        return 1 - sum(self.busy.values()) / total if total else 0.0
-
-    @property
-    def peak_stash(self) -> dict[int, int]:
-        return {r: max(h for _, h in curve) for r, curve in self.stash.items()}
-
-    def idle(self, rank: int, upto: float | None = None) -> list[tuple[float, float]]:
-        """The rank's bubbles: gaps between 0, its blocks and the makespan (cut at ``upto``)."""
-        end = self.span if upto is None else min(upto, self.span)
-        gaps, at = [], 0.0
-        for b in sorted((b for b in self.blocks if b.rank == rank), key=lambda b: b.start):
-            if min(b.start, end) > at + 1e-9:
-                gaps.append((at, min(b.start, end)))
-            at = max(at, b.end)
-        if end > at + 1e-9:
-            gaps.append((at, end))
-        return gaps
-
-
-def _needs(kind: str, stage: int, i: int) -> list[tuple[str, int, int]]:
-    """What a block waits for, as (kind, virtual stage, micro-batch)."""
-    return {"F": [("F", stage - 1, i)], "B": [("F", stage, i), ("B", stage + 1, i)], "W": [("B", stage, i)]}[kind]
-
-
-def _slots(order: list[list[tuple]]) -> dict[tuple, tuple[float, float]]:
-    """Each rank's actions ``(kind, stage, mb)`` in its order, one slot each, as early as the
-    dependencies present in the run allow.  Raises ValueError on an order that deadlocks."""
-    keys = {a for acts in order for a in acts}
-    done: dict[tuple, tuple[float, float]] = {}
-    free, pos, progress = [0.0] * len(order), [0] * len(order), True
-    while progress:
-        progress = False
-        for r, acts in enumerate(order):
-            while pos[r] < len(acts):
-                deps = [d for d in _needs(*acts[pos[r]]) if d in keys]
-                if any(d not in done for d in deps):
-                    break
-                start = max([free[r]] + [done[d][1] for d in deps])
-                done[acts[pos[r]]] = (start, start + 1.0)
-                free[r], pos[r], progress = start + 1.0, pos[r] + 1, True
-    stuck = [f"rank {r} at {acts[pos[r]][0]}{acts[pos[r]][2]}" for r, acts in enumerate(order) if pos[r] < len(acts)]
-    if stuck:
-        raise ValueError("the trace's order deadlocks in slots: " + ", ".join(stuck))
-    return done
-
-
-def pipeline_timeline(trace: Iterable[Any], clock: str = "slots") -> Timeline:
-    """Lay a run's trace out on ``clock`` ("slots" or "wall"): blocks, messages, stash curves."""
-    if clock not in ("slots", "wall"):
-        raise ValueError(f"clock must be 'slots' or 'wall', got {clock!r}")
-    events = list(trace)
-    compute = sorted((e for e in events if _get(e, "op") == "compute"
-                      and {"what", "microbatch"} <= set(_get(e, "meta") or {})),
-                     key=lambda e: (_get(e, "start"), _get(e, "end")))
-    if not compute:
-        return Timeline(clock, 0, 1, 0, [], [], {}, 0.0)
-    p = 1 + max(int(_get(e, "rank")) for e in compute)
-    v = 1 + max(int(_get(e, "meta").get("chunk", 0)) for e in compute)
-
-    def key(e) -> tuple[str, int, int]:
-        m, r = _get(e, "meta"), int(_get(e, "rank"))
-        return m["what"], int(m.get("stage", m.get("chunk", 0) * p + r)), int(m["microbatch"])
-
-    if clock == "slots":
-        order: list[list[tuple]] = [[] for _ in range(p)]
-        for e in compute:
-            order[int(_get(e, "rank"))].append(key(e))
-        times = _slots(order)
-    else:
-        t0 = _get(compute[0], "start")
-        times = {key(e): ((_get(e, "start") - t0) * 1e3, (_get(e, "end") - t0) * 1e3) for e in compute}
-    blocks = []
-    for e in compute:
-        kind, stage, i = key(e)
-        m = _get(e, "meta")
-        blocks.append(Block(int(_get(e, "rank")), kind, i, int(m.get("chunk", 0)), stage, *times[key(e)],
-                            m.get("stashed")))
-    by_key = {(b.kind, b.stage, b.microbatch): b for b in blocks}
-
-    # messages: every dependency that crosses ranks; wall clock takes the send/recv times when traced
-    wires: dict[tuple, list] = defaultdict(list)       # (op, src, dst, what, mb) -> events in time order
-    for e in sorted(events, key=lambda e: (_get(e, "start"), _get(e, "end"))):
-        m = _get(e, "meta") or {}
-        if _get(e, "op") in ("send", "recv") and m.get("what") in ("activation", "gradient") and "microbatch" in m:
-            ends = (_get(e, "rank"), _get(e, "peer"))
-            src, dst = ends if _get(e, "op") == "send" else ends[::-1]
-            wires[(_get(e, "op"), src, dst, m["what"], m["microbatch"])].append(e)
-    edges: dict[tuple, list[tuple[Block, Block]]] = defaultdict(list)
-    for b in blocks:
-        for d in _needs(b.kind, b.stage, b.microbatch):
-            src = by_key.get(d)
-            if src is not None and src.rank != b.rank and d[0] == b.kind:
-                what = "activation" if b.kind == "F" else "gradient"
-                edges[(src.rank, b.rank, what, b.microbatch)].append((src, b))
-    messages = []
-    for (s, d, what, i), pairs in edges.items():
-        pairs.sort(key=lambda sb: sb[0].end)
-        sends, recvs = wires.get(("send", s, d, what, i), []), wires.get(("recv", s, d, what, i), [])
-        for n, (src, dst) in enumerate(pairs):       # the n-th such message is the n-th send and recv
-            depart, arrive, nbytes = src.end, dst.start, 0
-            if clock == "wall" and n < len(sends):
-                depart, nbytes = (_get(sends[n], "start") - t0) * 1e3, int(_get(sends[n], "nbytes") or 0)
-            if clock == "wall" and n < len(recvs):
-                arrive = min(dst.start, (_get(recvs[n], "end") - t0) * 1e3)
-            messages.append(Message(s, d, what, i, depart, max(depart, arrive), dst, nbytes))
-    messages.sort(key=lambda msg: msg.depart)
-
-    # stash: the held count after each block (trace meta), else F adds one and its B (or W) frees it
-    frees = "W" if any(b.kind == "W" for b in blocks) else "B"
-    stash = {}
-    for r in range(p):
-        held, curve = 0, [(0.0, 0)]
-        for b in sorted((b for b in blocks if b.rank == r), key=lambda b: b.end):
-            held = b.stashed if b.stashed is not None else held + {"F": 1, frees: -1}.get(b.kind, 0)
-            curve.append((b.end, held))
-        stash[r] = curve
-    span = max(b.end for b in blocks)
-    return Timeline(clock, p, v, 1 + max(b.microbatch for b in blocks), blocks, messages, stash, span)
-
-
-@dataclass
-class GanttState:
-    """The picture at time ``t``: what has started (blocks cut at ``t``), messages sent, stash so far."""
-
-    timeline: Timeline
-    t: float
-    blocks: list[Block]                          # started before t (drawn up to min(end, t))
-    done: list[Block]                            # finished by t
-    now: dict[int, Block | None]                 # rank -> the block running just before t (start < t ≤ end)
-    messages: list[Message]                      # departed by t
-    in_flight: list[Message]                     # departed, not yet arrived
-    idle: dict[int, list[tuple[float, float]]]   # rank -> bubbles up to t
-    stash: dict[int, list[tuple[float, int]]]    # rank -> curve up to t
-    stash_now: dict[int, int]
-    predicted: float | None = None
-    title: str = ""
-
-    @property
-    def finished(self) -> bool:
-        return self.t >= self.timeline.span
-
-
-def gantt_state(trace: Iterable[Any] | Timeline, t: float, *, clock: str = "slots", predicted: float | None = None,
-                title: str = "") -> GanttState:
-    """What the chart shows at time ``t`` (slots, or ms since the first block); ``trace`` may be a
-    :class:`Timeline` already laid out (then ``clock`` is its own)."""
-    tl = trace if isinstance(trace, Timeline) else pipeline_timeline(trace, clock)
-    eps = 1e-9
-    blocks = [b for b in tl.blocks if b.start < t - eps]
-    now = {r: next((b for b in blocks if b.rank == r and b.end >= t - eps), None) for r in range(tl.ranks)}
-    msgs = [m for m in tl.messages if m.depart <= t - eps]
-    stash = {r: [(x, h) for x, h in c if x <= t + eps] for r, c in tl.stash.items()}
-    return GanttState(tl, t, blocks, [b for b in blocks if b.end <= t + eps], now, msgs,
-                      [m for m in msgs if m.arrive > t + eps], {r: tl.idle(r, t) for r in range(tl.ranks)},
-                      stash, {r: c[-1][1] for r, c in stash.items()}, predicted, title)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,6 +78,8 @@ def draw_gantt(fig, st: GanttState) -> None:
                                    zorder=1, gid="bubble"))
     for b in st.blocks:
         end = min(b.end, st.t)
+        if end <= b.start:                              # a block of no time (a full backward's W, drawn in its B)
+            continue
         fc = _shade(cols[b.microbatch % len(cols)], b.kind)
         ax.add_patch(Rectangle((b.start, b.rank - H / 2), end - b.start, H, fc=fc, ec="white", lw=0.8,
                                hatch="////" if b.kind == "W" else None, zorder=2, gid="block"))
@@ -330,8 +110,9 @@ def draw_gantt(fig, st: GanttState) -> None:
             a.axvline(st.t, color="crimson", lw=1.2, zorder=5)
 
     bub = tl.bubble_per_rank
-    if tl.virtual_stages > 1:
-        names = [f"rank {r}\nstages " + ",".join(str(c * p + r) for c in range(tl.virtual_stages)) for r in range(p)]
+    if tl.virtual_stages > 1:                           # loop or V placement: the stages each rank ran
+        names = [f"rank {r}\nstages " + ",".join(str(k) for k in sorted({b.stage for b in tl.blocks if b.rank == r}))
+                 for r in range(p)]
     else:
         names = [f"stage {r}" for r in range(p)]
     ax.set_yticks(range(p), [f"{n}\nidle {bub[r]:.0%}" for r, n in enumerate(names)], fontsize=8.5)
@@ -367,6 +148,29 @@ def draw_gantt(fig, st: GanttState) -> None:
                 Line2D([], [], color="#b2182b", lw=0.9, label="gradient (B → B)")]
     ax.legend(handles=handles, fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
               title="colour = micro-batch", title_fontsize=7.5)
+
+
+def draw_order(fig, timeline: Timeline, *, title: str = "", predicted: float | None = None, pairs=()) -> None:
+    """A whole order at once (:func:`order_timeline`): :func:`draw_gantt`'s last frame, with each pair of
+    blocks the schedule overlaps — DualPipeV's forward of one micro-batch beside the backward of another,
+    ``pairs`` as (rank, F action, B action) — outlined in black."""
+    from matplotlib.patches import Rectangle
+
+    draw_gantt(fig, gantt_state(timeline, timeline.span, predicted=predicted, title=title))
+    ax = fig.axes[0]
+    pred = f" · formula {predicted:.1%}" if predicted is not None else ""
+    ax.set_title(f"{title}   slot bubble {timeline.bubble:.1%}{pred}", fontsize=11, loc="left")
+    ax.set_title("", loc="right")
+    fig.axes[1].set_xlabel("time (slots) — F, B, W one slot each; a full backward (B and W in one pass) two",
+                           fontsize=9)
+    at = {(b.rank, b.kind, b.microbatch, b.chunk): b for b in timeline.blocks}
+    for rank, f, b in pairs:
+        first, back = at[(rank, "F", f.microbatch, f.chunk)], at[(rank, "B", b.microbatch, b.chunk)]
+        weight = at.get((rank, "W", b.microbatch, b.chunk))
+        end = weight.end if weight is not None and abs(weight.start - back.end) < 1e-9 else back.end
+        start = min(first.start, back.start)
+        ax.add_patch(Rectangle((start, rank - 0.47), end - start, 0.94, fill=False, ec="black", lw=1.5, zorder=6,
+                               gid="overlap"))
 
 
 # ----------------------------------------------------------------------------------------------

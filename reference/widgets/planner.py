@@ -8,7 +8,7 @@ group, memory per device against the device's capacity, and the bytes each axis 
     └──────────────────────────────────────────────────────┘ │ tp ▇▇▇ intra 0.8 s    │
                                                              └───────────────────────┘
 
-Each frame of the player colours the grid by one axis (tp, cp, dp, pp, ep, edp: the ones with more
+Each frame of the player colours the grid by one axis (tp, cp, dp, pp, etp, ep, edp: the ones with more
 than one rank), so Play walks through the groups a rank belongs to.  One row per node makes the
 bandwidth argument visible: tensor groups inside a row (fast links), pipeline groups across rows.
 
@@ -17,6 +17,7 @@ bandwidth argument visible: tensor groups inside a row (fast links), pipeline gr
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..mesh import RankGrid
@@ -33,9 +34,11 @@ PALETTE = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#D
 
 def shown_axes(comp: Composition) -> list[str]:
     """The axes a frame can colour by: those with more than one rank per group (tp if none)."""
+    etp = comp.expert_tp
     sizes = dict(tp=comp.tp, cp=comp.cp, dp=comp.dp, pp=comp.pp, ep=comp.ep,
-                 edp=comp.dp * comp.cp // max(comp.ep, 1))
-    axes = [a for a in ("tp", "cp", "dp", "pp", "ep", "edp") if sizes[a] > 1 and (a != "edp" or comp.ep > 1)]
+                 etp=etp if comp.ep > 1 and etp != comp.tp else 1,      # shown when it is not the dense tp
+                 edp=comp.tp * comp.cp * comp.dp // max(etp * comp.ep, 1))
+    axes = [a for a in ("tp", "cp", "dp", "pp", "etp", "ep", "edp") if sizes[a] > 1 and (a != "edp" or comp.ep > 1)]
     return axes or ["tp"]
 
 
@@ -56,7 +59,7 @@ def planner_state(model: Model, cluster: Cluster, comp: Composition, axis: str =
     except ValueError as e:
         state["error"] = str(e)
         return state
-    grid = RankGrid(cluster.devices, dp=comp.dp, tp=comp.tp, pp=comp.pp, cp=comp.cp, ep=comp.ep)
+    grid = RankGrid(cluster.devices, dp=comp.dp, tp=comp.tp, pp=comp.pp, cp=comp.cp, ep=comp.ep, etp=comp.etp)
     per_node = cluster.devices_per_node
     nodes_total = -(-cluster.devices // per_node)
     shown = min(nodes_total, max_nodes)
@@ -152,8 +155,9 @@ def draw_planner(fig, st: dict) -> None:
 
 def planner_player(models: dict[str, Model], clusters: dict[str, Cluster], *, model: str | None = None,
                    cluster: str | None = None, comp: Composition | None = None, figsize=(11, 5)):
-    """A Player whose controls pick model, cluster, tp, pp, cp, ep, ZeRO stage and recomputation
-    (dp = devices / (tp·pp·cp)); its frames walk through the axes of the composition."""
+    """A Player whose controls pick model, cluster, tp, pp, cp, ep, the experts' tensor size etp ("= tp": cut like
+    the MLP; 1: whole experts, the expert grid folded), ZeRO stage and recomputation (dp = devices / (tp·pp·cp));
+    its frames walk through the axes of the composition."""
     import ipywidgets as widgets
 
     from .player import Player
@@ -171,15 +175,20 @@ def planner_player(models: dict[str, Model], clusters: dict[str, Cluster], *, mo
         "cluster": choice("cluster", list(clusters), cluster, "260px"),
         "tp": choice("tp", sizes[:6], comp.tp), "pp": choice("pp", sizes[:8], comp.pp),
         "cp": choice("cp", sizes[:9], comp.cp), "ep": choice("ep", sizes, comp.ep),
+        "etp": choice("etp", [("= tp", 0)] + [(str(x), x) for x in sizes[:4]], comp.etp or 0),   # 0: the dense tp
         "zero": choice("ZeRO", [0, 1, 2, 3], comp.zero),
         "recompute": choice("recompute", ["none", "selective", "full"], comp.recompute, "170px"),
     }
 
-    def build(model, cluster, tp, pp, cp, ep, zero, recompute):
+    def build(model, cluster, tp, pp, cp, ep, etp, zero, recompute):
         m, c = models[model], clusters[cluster]
         dp = max(1, c.devices // (tp * pp * cp))
-        new = Composition(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, recompute=recompute, flash=comp.flash,
-                          virtual_stages=comp.virtual_stages)
+        # the starting plan's interleaving and stage layout (e.g. Llama 3's embedding-only first chunk) hold while
+        # its pipeline does; another pp drops them
+        same_pp = pp == comp.pp
+        new = replace(comp, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp or None, zero=zero, recompute=recompute,
+                      virtual_stages=comp.virtual_stages if same_pp else 1,
+                      stage_layout=comp.stage_layout if same_pp else None, micro_batches=None)
         axes = shown_axes(new)
         cache: dict[int, dict] = {}
 
@@ -189,6 +198,6 @@ def planner_player(models: dict[str, Model], clusters: dict[str, Cluster], *, mo
             return cache[step]
         return state_at, len(axes)
 
-    state_at, n = build(model, cluster, comp.tp, comp.pp, comp.cp, comp.ep, comp.zero, comp.recompute)
+    state_at, n = build(model, cluster, comp.tp, comp.pp, comp.cp, comp.ep, comp.etp or 0, comp.zero, comp.recompute)
     return Player(state_at, n, draw_planner, controls=controls, rebuild=build, caption=planner_caption,
                   figsize=figsize, title="Where does it run out of room?", interval_ms=1500)

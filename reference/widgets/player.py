@@ -11,11 +11,14 @@ A widget is two parts:
 size, ...) and an image that is re-rendered for each frame.  It never sleeps in a loop — the Play
 button's timer runs in the browser — so it also works in a kernel with no front end.  For
 headless execution (nbval, nbconvert) its rich display carries a PNG of the first frame next to
-the widget, so a notebook run without a browser still shows a picture.
+the widget, so a notebook run without a browser still shows a picture — and, where no Jupyter server
+started the kernel, the whole replay as a self-contained HTML animation (:mod:`.animation`) that
+plays without a kernel (the course's website is built from such runs).
 """
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +54,8 @@ class Player:
         self.caption, self.figsize, self.interval_ms, self.title = caption, figsize, interval_ms, title
         self.static_step = static_step   # the frame shown where widgets cannot run (nbconvert, nbval)
         self._widget = None
+        self._drawn = threading.Condition()         # frames to draw: see _ask
+        self._asked, self._busy, self._failed = (0, 0), False, None
 
     # -- the picture -------------------------------------------------------------------------------
 
@@ -76,7 +81,7 @@ class Player:
         W.jslink((self.play, "value"), (self.slider, "value"))
         self.image = W.Image(value=self.png(0), format="png")
         self.text = W.HTML(value=self._caption_html(0))
-        self.slider.observe(lambda ch: self.show(ch["new"]), names="value")
+        self.slider.observe(lambda ch: self._ask(ch["new"]), names="value")
         for c in self.controls.values():
             c.observe(lambda ch: self._rebuild(), names="value")
         top = [W.HTML(f"<b>{self.title}</b>")] if self.title else []
@@ -86,11 +91,41 @@ class Player:
         return self._widget
 
     def show(self, step: int) -> None:
-        """Render frame ``step`` into the widget (what the slider calls)."""
+        """Render frame ``step`` into the widget; return once it is shown."""
+        self._ask(step)
+        with self._drawn:
+            self._drawn.wait_for(lambda: not self._busy)
+        if self._failed is not None:
+            raise self._failed
+
+    def _ask(self, step: int) -> None:
+        """Draw frame ``step`` off the kernel's message loop (what the slider calls).  One frame is drawn
+        at a time; the frames asked for meanwhile are dropped but the newest, so a busy machine shows
+        the slider's latest position next instead of every position it passed through."""
         if self._widget is None:
             self.widget()
-        self.image.value = self.png(step)
-        self.text.value = self._caption_html(step)
+        with self._drawn:
+            self._asked = (self._asked[0] + 1, step)
+            if self._busy:
+                return
+            self._busy = True
+        threading.Thread(target=self._draw_asked, name="player-frame", daemon=True).start()
+
+    def _draw_asked(self) -> None:
+        done = 0
+        while True:
+            with self._drawn:
+                seq, step = self._asked
+                if seq == done:
+                    self._busy = False
+                    self._drawn.notify_all()
+                    return
+            try:
+                self.image.value, self.text.value = self.png(step), self._caption_html(step)
+                failed = None
+            except Exception as e:  # noqa: BLE001 - raised by show(); under a slider the last frame stays
+                failed = e
+            self._failed, done = failed, seq
 
     def _caption_html(self, step: int) -> str:
         if not self.caption:
@@ -114,4 +149,7 @@ class Player:
         bundle = dict(bundle)
         bundle["image/png"] = base64.b64encode(self.png(min(self.static_step, max(0, self.n_steps - 1)))).decode()
         bundle.setdefault("text/plain", f"<{type(self).__name__}: {self.n_steps} steps>")
+        from . import animation
+        if animation.wanted():       # no front end will draw the widget: the replay as a self-contained page
+            bundle["text/html"] = animation.to_html(self)
         return bundle

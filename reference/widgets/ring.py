@@ -146,7 +146,7 @@ def ring_state(trace: Iterable[Any], step: int, *, world_size: int, layout: str,
     if not 0 <= step < W:
         raise ValueError(f"step must be in [0, {W}), got {step}")
     events = list(trace)
-    kv = [e for e in events if _get(e, "op") in ("send", "recv") and (_get(e, "meta") or {}).get("what") == "kv"]
+    kv = _kv_hops(events, W, layout)
     blocks = [e for e in events if _get(e, "op") == "compute" and _get(e, "step") is not None
               and (_get(e, "meta") or {}).get("what", "attn_fwd") == "attn_fwd"
               and "q_chunks" in (_get(e, "meta") or {})]
@@ -205,6 +205,28 @@ def ring_state(trace: Iterable[Any], step: int, *, world_size: int, layout: str,
                      inferred)
 
 
+def _kv_hops(events: list, W: int, layout: str) -> list:
+    """The K/V hops of a run: its messages marked ``what="kv"``, or — for a learner's ring, which need
+    not mark them — every unmarked message, each rank's sends (receives) cut in posting order into
+    W−1 steps, carrying the chunks the ring passes: at step s rank r sends rank (r − s) mod W's."""
+    kv = [e for e in events if _get(e, "op") in ("send", "recv") and (_get(e, "meta") or {}).get("what") == "kv"]
+    if kv:
+        return kv
+    mine: dict[tuple[int, str], list] = {}
+    for e in events:
+        if _get(e, "op") in ("send", "recv") and not (_get(e, "meta") or {}).get("what"):
+            mine.setdefault((int(_get(e, "rank")), _get(e, "op")), []).append(e)
+    out = []
+    for (r, op), msgs in mine.items():
+        per_step = max(1, len(msgs) // max(1, W - 1))
+        for i, e in enumerate(sorted(msgs, key=lambda m: _get(m, "start") or 0.0)):
+            s = i // per_step
+            holder = (r - s) % W if op == "send" else (r - 1 - s) % W
+            out.append({"rank": r, "op": op, "peer": _get(e, "peer"), "nbytes": _get(e, "nbytes"), "step": s,
+                        "meta": {"what": "kv", "chunks": own_chunks(holder, W, layout)}})
+    return out
+
+
 def _implied_blocks(W: int, layout: str, causal: bool, L: int) -> list[dict]:
     """Compute events as the ring order implies them: step s, rank r, K/V of rank (r - s) mod W,
     none for a block with no unmasked pair."""
@@ -254,22 +276,20 @@ def _intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) 
 
 
 def timeline(trace: Iterable[Any]) -> dict[int, dict[str, list[tuple[float, float]]]]:
-    """Per rank: ``{"compute": [(start, end)], "comm": [(start, end)]}`` in seconds from the first event.
+    """Per rank: ``{"compute": [(start, end)], "comm": [(start, end)]}`` in seconds from the first of them.
 
     A message's interval runs from when it was posted to when the rank's wait on it returned: the
     time it was in flight, during which the rank may have been computing.
     """
-    events = list(trace)
+    kinds = {"compute": "compute", **{op: "comm" for op in ("send", "recv", "all_to_all", "all_gather", "all_reduce",
+                                                           "reduce_scatter")}}
+    events = [e for e in trace if _get(e, "op") in kinds]
     if not events:
         return {}
-    t0 = min(_get(e, "start") for e in events)
+    t0 = min(_get(e, "start") for e in events)          # the first block or message: barriers before it are not shown
     out: dict[int, dict[str, list[tuple[float, float]]]] = {}
     for e in events:
-        op = _get(e, "op")
-        kind = "compute" if op == "compute" else "comm" if op in ("send", "recv", "all_to_all", "all_gather",
-                                                                   "all_reduce", "reduce_scatter") else None
-        if kind is None:
-            continue
+        kind = kinds[_get(e, "op")]
         row = out.setdefault(int(_get(e, "rank")), {"compute": [], "comm": []})
         row[kind].append((_get(e, "start") - t0, _get(e, "end") - t0))
     return dict(sorted(out.items()))

@@ -17,7 +17,7 @@ all-to-alls (bytes per destination, real tokens per destination) and the experts
     sum          y_t = Σ_j w_tj · out_tj over kept choices; a token      bar of Σ kept weights;
                  dropped by every expert outputs 0                       "0" under dropped tokens
 
-The state is a plain dict (tested in ``tests/moe/test_lecture.py``); :func:`draw_routing` paints
+The state is a plain dict (tested in the full course's ``tests/moe/test_lecture.py``); :func:`draw_routing` paints
 it; :func:`routing_player` puts a Play button, a slider and the controls (k, capacity factor,
 experts, ranks) around traces recorded up front, so that moving a control only swaps traces.
 """
@@ -53,20 +53,35 @@ def _route_events(trace: Iterable[Any]) -> dict[int, Any]:
     return out
 
 
+def all_to_alls(trace: Iterable[Any]) -> list[tuple[Any, str | None]]:
+    """Each all-to-all event of ``trace`` with what it carried: its ``meta["what"]``, or — for a
+    learner's dispatch and combine, which need not say — its place among its rank's unlabelled
+    all-to-alls: the first is the dispatch, the second the combine (a forward sends one of each)."""
+    out, unlabelled = [], {}
+    for e in trace:
+        if _get(e, "op") != "all_to_all":
+            continue
+        what = _get(e, "meta", {}).get("what")
+        if what is None:
+            seen = unlabelled[_get(e, "rank")] = unlabelled.get(_get(e, "rank"), 0) + 1
+            what = {1: "dispatch", 2: "combine"}.get(seen)
+        out.append((e, what))
+    return out
+
+
 def bytes_per_phase(trace: Iterable[Any]) -> dict[str, dict[int, dict[str, int]]]:
     """For "dispatch" and "combine": per rank, bytes handed in (``total``), bytes that leave the
     rank (``off_rank``, excluding its block for itself) and real tokens sent off-rank."""
     out: dict[str, dict[int, dict[str, int]]] = {"dispatch": {}, "combine": {}}
-    for e in trace:
+    for e, what in all_to_alls(trace):
         meta = _get(e, "meta", {})
-        what = meta.get("what")
-        if _get(e, "op") != "all_to_all" or what not in out:
+        if what not in out:
             continue
         r = _get(e, "rank")
         if r in out[what]:
             continue                                    # first forward only
         send_bytes = meta.get("send_bytes") or []
-        tokens = meta.get("tokens_per_dest") or []
+        tokens = meta.get("tokens_per_dest")            # None: not recorded (a learner's dispatch)
         if what == "combine" and meta.get("tokens_per_src") is not None:
             tokens = None                               # padded combine: tokens_per_dest counts every row
         out[what][r] = {
@@ -171,9 +186,9 @@ def routing_state(trace: Iterable[Any], step: int) -> dict[str, Any]:
 
 def _row_bytes(trace: list, E: int, C: int) -> int | None:
     """Bytes of one token row, read off the first dispatch all-to-all (its buffer has E·C rows)."""
-    for e in trace:
+    for e, what in all_to_alls(trace):
         meta = _get(e, "meta", {})
-        if _get(e, "op") == "all_to_all" and meta.get("what") == "dispatch":
+        if what == "dispatch":
             splits = meta.get("send_splits") or []
             rows = sum(splits) if splits else E * C
             return int(_get(e, "nbytes", 0)) // max(1, rows)
@@ -235,14 +250,15 @@ def draw_routing(fig, st: dict) -> None:
     bytes_y = recv_top - recv_h - 0.5
     bottom = bytes_y - 2.2
     width = W * (col_w + gap) - gap
+    fw = fig.get_size_inches()[0]
+    fig.set_size_inches(fw, fw * (2.2 - bottom) / (width + 0.4))   # as tall as the layout: the width sets the scale
     ax = fig.add_axes([0.005, 0.005, 0.99, 0.99])
     ax.set_axis_off()
     ax.set_xlim(-0.2, width + 0.2)
     ax.set_ylim(bottom - 0.6, 1.6)
     ax.set_aspect("equal", anchor="N")
-    fw, fh = fig.get_size_inches()
-    inch = min(0.99 * fw / (width + 0.4), 0.99 * fh / (2.2 - bottom))
-    pt = lambda units, lo=4.5, hi=10.0: max(lo, min(hi, units * inch * 72))   # noqa: E731
+    inch = 0.99 * fw / (width + 0.4)
+    pt = lambda units, lo=6.5, hi=10.0: max(lo, min(hi, units * inch * 72))   # noqa: E731
 
     def cell(x, yy, face, label="", hatch=None, edge="#333333", lw=0.6, alpha=1.0, fc="white"):
         ax.add_patch(Rectangle((x, yy - s), s * 0.92, s * 0.92, facecolor=face, edgecolor=edge, lw=lw, hatch=hatch,
@@ -251,7 +267,7 @@ def draw_routing(fig, st: dict) -> None:
             ax.text(x + s * 0.46, yy - s * 0.54, str(label), ha="center", va="center", color=fc,
                     fontsize=pt(0.5 * s), fontweight="bold")
 
-    small = pt(0.42 * s, hi=8.0)
+    small = pt(0.42 * s, hi=9.0)
     for ri, r in enumerate(st["ranks"]):
         x0 = ri * (col_w + gap)
         colour = RANK_COLOURS[r % len(RANK_COLOURS)]
@@ -281,7 +297,7 @@ def draw_routing(fig, st: dict) -> None:
                         ha="center", va="top", fontsize=small, color=DROP_COLOUR if lost else "#333333")
         # send buffer
         note = "outputs returned" if st["returned"] else f"{E} experts × C={C} slots"
-        ax.text(x0 + 0.1, send_top + 0.4, f"buffers on rank {r}: {note}", fontsize=pt(0.4, hi=8), color="#333333",
+        ax.text(x0 + 0.1, send_top + 0.4, f"buffers on rank {r}: {note}", fontsize=pt(0.4, hi=9), color="#333333",
                 va="center")
         for e in range(E):
             yy = send_top - e * pitch
@@ -309,7 +325,7 @@ def draw_routing(fig, st: dict) -> None:
         # what this rank's experts receive
         if st["step"] >= st["phases"].index("dispatch"):
             ax.text(x0 + 0.1, recv_top + 0.4, f"expert inputs: C={C} rows × {W} ranks",
-                    fontsize=pt(0.4, hi=8), color="#333333", va="center")
+                    fontsize=pt(0.4, hi=9), color="#333333", va="center")
             hot = st["computing"]
             for i in range(E_local):
                 e = r * E_local + i
@@ -338,7 +354,7 @@ def draw_routing(fig, st: dict) -> None:
                 lines.append(f"{what:<9}{bb['total']:>7} B{bb['off_rank']:>8} B")
         if lines:
             lines.insert(0, f"{'all-to-all':<9} buffer  leaves")
-            ax.text(x0 + 0.1, bytes_y, "\n".join(lines), fontsize=pt(0.36, hi=8), va="top", family="monospace",
+            ax.text(x0 + 0.1, bytes_y, "\n".join(lines), fontsize=pt(0.36, hi=9), va="top", family="monospace",
                     fontweight="bold" if st["moved"] else "normal")
     # all-to-all arrows: from rank s's block of rows for rank d to rank d (or back, in combine)
     if st["moved"]:
@@ -360,7 +376,7 @@ def draw_routing(fig, st: dict) -> None:
     ax.text(width, 1.15, head, ha="right", va="center", fontsize=pt(0.6, hi=11), fontweight="bold")
     legend = ("solid = 1st choice   hatched = 2nd choice   red ✗ = dropped (buffer full)   "
               "grey = empty slot (padding: sent anyway)   colour = home rank")
-    ax.text(0, bottom + 0.3, legend, fontsize=pt(0.4, hi=8), color="#444444", va="center")
+    ax.text(0, bottom + 0.3, legend, fontsize=pt(0.4, hi=9), color="#444444", va="center")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -369,7 +385,7 @@ def draw_routing(fig, st: dict) -> None:
 
 def routing_player(traces: dict[tuple, Sequence[Any]], *, k: int = 2, capacity_factor: float = 1.0,
                    num_experts: int = 8, world_size: int = 4, title: str = "Token routing, replayed",
-                   figsize=(11, 6.2)):
+                   figsize=(13, 7.3)):
     """A :class:`~reference.widgets.player.Player` over traces keyed by (k, capacity_factor, E, W).
 
     Record every combination up front (``reference.moe.lecture.routing_traces``) so a control change

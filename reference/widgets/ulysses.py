@@ -1,7 +1,7 @@
 """Replay DeepSpeed-Ulysses' all-to-alls: W ranks trade a sequence split for a head split, attend, trade back.
 
 Drawn from the layout arithmetic alone, so it works before exercise 5a.4 is written (the rule is the
-one ``reference.sequence.ulysses.seq_to_heads`` implements; tests/widgets/test_ulysses.py holds the
+one ``reference.sequence.ulysses.seq_to_heads`` implements; the full course's tests/widgets/test_ulysses.py holds the
 two to each other on real tensors).  With ``n = S/W`` tokens per rank and ``h = H/W`` heads per group,
 call block (w, g) the tokens of chunk w (rank w's own ``[w·n, (w+1)·n)``) in head group g (heads
 ``[g·h, (g+1)·h)``)::
@@ -157,7 +157,7 @@ def draw_ulysses(fig, st: dict) -> None:
     def corner(r: int, row: int, w: int, g: int) -> tuple[float, float]:
         return r * (W + gap) + g, -(row * (W + row_gap)) - w - 1        # lower-left corner of block (w, g)
 
-    def draw_row(layout: list[list[dict]], row: int, name: str) -> None:
+    def draw_row(layout: list[list[dict]], row: int, name: str, label_below: bool = False) -> None:
         for r in range(W):
             held = {(blk["chunk"], blk["group"]): blk for blk in layout[r]}
             for w in range(W):
@@ -170,14 +170,18 @@ def draw_ulysses(fig, st: dict) -> None:
                         ax.text(x + 0.5, y + 0.5, blk["label"], ha="center", va="center", fontsize=8,
                                 color="white", weight="bold", zorder=3)
             x0, y0 = corner(r, row, 0, 0)
-            ax.text(x0 + W / 2, y0 + 1.15, f"rank {r}", ha="center", va="bottom", fontsize=9, color=colour(r),
-                    weight="bold")
+            if label_below:                          # under the panel: the arrows come in from above
+                ax.text(x0 + W / 2, y0 - W + 0.85, f"rank {r}", ha="center", va="top", fontsize=9, color=colour(r),
+                        weight="bold")
+            else:
+                ax.text(x0 + W / 2, y0 + 1.15, f"rank {r}", ha="center", va="bottom", fontsize=9, color=colour(r),
+                        weight="bold")
         ax.text(-0.4, corner(0, row, 0, 0)[1] + 1 - W / 2, name, rotation=90, ha="right", va="center", fontsize=8)
 
     tensors = ", ".join(st["tensors"])
     if st["before"] is not None:
         draw_row(st["before"], 0, f"{tensors}: handed in")
-        draw_row(st["holds"], 1, f"{tensors}: arrived")
+        draw_row(st["holds"], 1, f"{tensors}: arrived", label_below=True)
         for m in st["moves"]:
             x0, y0 = corner(m["src"], 0, m["chunk"], m["group"])
             x1, y1 = corner(m["dst"], 1, m["chunk"], m["group"])
@@ -196,12 +200,12 @@ def draw_ulysses(fig, st: dict) -> None:
         ax.text(-0.4, corner(0, 1, 0, 0)[1] + 1 - W / 2, "q·kᵀ, local", rotation=90, ha="right", va="center",
                 fontsize=8)
     ax.set_xlim(-0.5, W * (W + gap))
-    ax.set_ylim(-(2 * W + row_gap) - 1.6, 1.8)
+    ax.set_ylim(-(2 * W + row_gap) - 2.2, 1.8)
     ax.set_aspect("equal")
     ax.set_axis_off()
     ax.set_title(f"Ulysses, W = {W}: {st['phase']}", fontsize=10)
     legend = ", ".join(f"{LETTERS[g]} = {_heads(g * h, (g + 1) * h)}" for g in range(W))
-    ax.text(-0.5, -(2 * W + row_gap) - 0.9, f"rows: token chunks 0 … {W - 1} of {n} tokens; letter: head group "
+    ax.text(-0.5, -(2 * W + row_gap) - 1.5, f"rows: token chunks 0 … {W - 1} of {n} tokens; letter: head group "
             f"({legend}); colour: the rank the block came from", fontsize=7.5, va="top")
 
 

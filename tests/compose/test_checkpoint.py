@@ -29,9 +29,13 @@ N, K = 4, 2                                      # steps in all; steps before th
 EXACT, TOL = 1e-12, 1e-10
 DENSE = dict(layers=2, d_model=16, heads=4, d_ff=32, seq_len=8)
 MOE = dict(DENSE, num_experts=4, moe_every=1)    # both blocks MoE: one on each pp stage
+# frontier MoE on a folded grid (etp 1, ep 4 over tp 2 × dp 2): loss-free balancing's biases are training state too
+FRONTIER = dict(DENSE, num_experts=8, top_k=4, moe_every=1, dense_layers=1, expert_ffn=8, shared_experts=1,
+                router="sigmoid", balance="loss_free+seq_aux", bias_update_rate=0.05, z_loss_coef=1e-2)
 SOURCES = {                                      # name: (sizes, config, train_worker keywords)
     "dense": ({"dp": 2, "tp": 2, "pp": 2}, DENSE, dict(zero=1, num_microbatches=2)),
     "moe": ({"dp": 2, "tp": 2, "pp": 2, "ep": 2}, MOE, dict(zero=2, schedule="gpipe")),
+    "folded": ({"tp": 2, "dp": 2, "ep": 4, "etp": 1}, FRONTIER, {}),
 }
 
 
@@ -112,11 +116,14 @@ RESHARD = [
     ("dense", {"tp": 4, "pp": 2}, dict(num_microbatches=2)),                 # tp 2 → 4 (qkv, padded vocab), no ZeRO
     ("dense", {"dp": 2, "cp": 2}, dict(zero=1)),                             # tp 2 → 1, ZeRO over dp·cp 4
     ("moe", {"dp": 4, "ep": 4}, dict(zero=1)),                               # experts ep 2 → 4, tp 2 → 1
+    ("folded", {"tp": 2, "dp": 2, "ep": 2}, {}),                             # ep 4 → 2, etp 1 → 2 (experts cut)
+    ("folded", {"dp": 2, "pp": 2, "ep": 2, "etp": 1}, dict(zero=1, schedule="gpipe")),   # ep 4 → 2, tp 2 → 1, pp 2
 ]
 
 
 @pytest.mark.parametrize("name,sizes,kw", RESHARD, ids=["dense→dp4×tp2 zero2", "dense→tp4×pp2", "dense→dp2×cp2 zero1",
-                                                      "moe→dp4×ep4 zero1"])
+                                                      "moe→dp4×ep4 zero1", "folded ep4 etp1→tp2×dp2 ep2 etp2",
+                                                      "folded→dp2×pp2 ep2 zero1"])
 def test_a_checkpoint_resumes_on_another_grid(world, saved, name, sizes, kw):
     directory, _ = saved(name)
     out = resume(world, directory, sizes, SOURCES[name][1], **kw)
@@ -124,14 +131,17 @@ def test_a_checkpoint_resumes_on_another_grid(world, saved, name, sizes, kw):
     assert_close(out["losses"], out["params"], losses[K:], params, TOL)
 
 
-def test_a_moe_grid_checkpoint_resumes_on_one_process(saved):
-    directory, _ = saved("moe")
-    model, adam = model_and_adam(MOE)
+@pytest.mark.parametrize("name", ["moe", "folded"])
+def test_a_moe_grid_checkpoint_resumes_on_one_process(saved, name):
+    directory, _ = saved(name)
+    model, adam = model_and_adam(SOURCES[name][1])
     ckpt = checkpoint.Checkpoints(directory, checkpoint.single_state(model, adam), checkpoint.run_meta(model.cfg))
     start = ckpt.resume()
     assert start == K
+    if name == "folded":                         # the loss-free biases came back (stepped K times: not zero)
+        assert model.blocks[1].mlp.moe.expert_bias.abs().sum() > 0
     losses = train_single(N, model=model, optimizer=adam, start_step=start)
-    want_losses, want_params = truth("moe")
+    want_losses, want_params = truth(name)
     assert_close(losses, dict(model.named_parameters()), want_losses[K:], want_params, TOL)
 
 

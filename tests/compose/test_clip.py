@@ -98,6 +98,8 @@ CASES = [
     ("zero1 dp×tp", {"dp": 2, "tp": 2}, DENSE, {"zero": 1}),
     ("zero2 dp×ep", {"dp": 2, "ep": 2}, MOE, {"zero": 2}),
     ("zero2 dp×cp×tp+sp", {"dp": 2, "cp": 2, "tp": 2}, DENSE, {"zero": 2, "sequence_parallel": True}),
+    # folded (etp = 1): whole experts counted on edp 0 whatever their tp coordinate; routers summed over tp first
+    ("folded tp×dp ep4 etp1", {"tp": 2, "dp": 2, "ep": 4, "etp": 1}, dict(MOE, shared_experts=1), {}),
 ]
 
 

@@ -37,6 +37,11 @@ BATCH = 4
 DENSE = dict(layers=2, d_model=16, heads=2, d_ff=32, seq_len=8)
 MOE = dict(DENSE, num_experts=4)                 # block 1 is MoE (moe_every=2), top-2, dropless
 MOE_ALL = dict(MOE, moe_every=1)                 # both blocks MoE: with pp=2, one on each stage
+# frontier MoE: block 0 dense, block 1 with 8 fine experts (expert_ffn 8 < d_ff 32), top-4 of a sigmoid router,
+# one shared expert, loss-free balancing with DeepSeek-V3's sequence-wise guard, and the router z-loss
+FRONTIER = dict(DENSE, num_experts=8, top_k=4, moe_every=1, dense_layers=1, expert_ffn=8, shared_experts=1,
+                router="sigmoid", balance="loss_free+seq_aux", bias_update_rate=0.05, z_loss_coef=1e-2)
+FRONTIER_ALL = dict(FRONTIER, dense_layers=0)    # both blocks MoE (one per stage with pp=2)
 
 
 @functools.cache
@@ -129,6 +134,11 @@ CASES = [
     # 4D, 8 ranks
     ("dp×tp×pp×ep 1f1b", {"dp": 2, "tp": 2, "pp": 2, "ep": 2}, MOE_ALL, {"num_microbatches": 2}),
     ("dp×tp×cp×ep", {"dp": 2, "tp": 2, "cp": 2, "ep": 2}, MOE, {}),
+    # the expert grid folded (etp = 1): ep > dp·cp, the ep group takes the tp ranks too; frontier MoE layers
+    ("folded tp×dp ep4", {"tp": 2, "dp": 2, "ep": 4, "etp": 1}, FRONTIER, {}),
+    ("unfolded tp×dp ep2 frontier", {"tp": 2, "dp": 2, "ep": 2}, FRONTIER, {}),
+    ("folded cp×tp ep4", {"cp": 2, "tp": 2, "ep": 4, "etp": 1}, FRONTIER, {}),
+    ("folded pp×tp×dp ep4 1f1b", {"pp": 2, "tp": 2, "dp": 2, "ep": 4, "etp": 1}, FRONTIER_ALL, {"num_microbatches": 2}),
     # ZeRO over dp_cp (lecture 3's ZeroOptimizer on each rank's dense shard; experts after their edp sync)
     ("zero1 dp×tp", {"dp": 2, "tp": 2}, DENSE, {"zero": 1}),
     ("zero2 dp×cp×tp+sp", {"dp": 2, "cp": 2, "tp": 2}, DENSE, {"zero": 2, "sequence_parallel": True}),
@@ -152,7 +162,7 @@ def test_composed_training_equals_one_process(world, name, sizes, config, kw):
         # micro-batch, and the gradient comes back the same way, whatever the routing.
         grid, cfg = RankGrid(len(res.values), **sizes), GPTConfig(vocab=len(encode(corpus())[1]), **config)
         m, k = kw.get("num_microbatches", 1), cfg.top_k
-        T = BATCH // grid.dp * cfg.seq_len // grid.cp
+        T = BATCH // grid.dp * cfg.seq_len // grid.cp // (grid.tp if grid.etp != grid.tp else 1)   # folded: 1/tp
         for r, v in enumerate(res.values):
             sizes_pp, stage = balanced_sizes(cfg.layers, grid.pp), v["coords"]["pp"]
             moe_here = sum(cfg.is_moe(i) for i in range(sum(sizes_pp[:stage]), sum(sizes_pp[:stage + 1])))
@@ -178,6 +188,10 @@ BAD = [
     ({"sizes": {"tp": 2}, "num_experts": 4, "sequence_parallel": True}, "NotImplementedError", "MoE"),
     ({"sizes": {"pp": 2}, "num_experts": 4, "num_microbatches": 3}, "ValueError", "micro-batches"),
     ({"sizes": {"dp": 2}, "zero": 3}, "ValueError", "ZeRO stage"),                    # stage 3 is FSDP (lecture 3)
+    ({"sizes": {"tp": 2, "ep": 4, "etp": 1}, "num_experts": 4}, "ValueError", "etp·ep = 1·4"),   # 4 ∤ tp·cp·dp = 2
+    ({"sizes": {"tp": 2, "ep": 2, "etp": 1}, "num_experts": 4, "batch_size": 1, "seq_len": 7}, "ValueError",
+     "1/tp"),                                                                        # 7 tokens do not split over tp 2
+    ({"sizes": {"tp": 2, "ep": 1}, "num_experts": 4, "expert_ffn": 3}, "ValueError", "expert_ffn=3"),
 ]
 
 
@@ -223,11 +237,16 @@ def test_the_ranks_adam_is_torch_adam_bit_for_bit():
 
 
 def test_torchrun_script_prints_the_single_process_losses(tmp_path):
-    config = dict(DENSE, num_experts=4)
+    """Context parallelism with a frontier MoE layer (fine experts, a shared one, sigmoid router, loss-free
+    balancing with the sequence-wise guard, z-loss): every MoE flag reaches the model."""
+    config = dict(DENSE, num_experts=4, expert_ffn=16, shared_experts=1, router="sigmoid",
+                  balance="loss_free+seq_aux", bias_update_rate=0.05, z_loss_coef=0.01)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "scripts" / "train_composed.py"), "--cp", "2", "--ep", "2", "--steps", str(STEPS),
            "--layers", "2", "--d-model", "16", "--heads", "2", "--d-ff", "32", "--seq-len", "8", "--experts", "4",
+           "--expert-ffn", "16", "--shared-experts", "1", "--router", "sigmoid", "--balance", "loss_free+seq_aux",
+           "--bias-update-rate", "0.05", "--z-loss-coef", "0.01", "--etp", "1",
            "--timeout", "30", "--recompute", "selective"]      # recomputing the attention core changes no loss
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

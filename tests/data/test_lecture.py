@@ -8,7 +8,8 @@ import textwrap
 import pytest
 
 from reference.trace import Event, Trace
-from reference.widgets.buckets import draw_timeline, step_exposed, timeline_caption, timeline_state, timeline_stats
+from reference.widgets.buckets import (draw_timeline, step_exposed, step_time, thread_cpu, timeline_caption,
+                                       timeline_state, timeline_stats)
 
 
 def synthetic(overlap: bool = True) -> Trace:
@@ -48,6 +49,25 @@ def test_the_steps_exposed_tail_starts_when_the_last_rank_ends_backward():
     assert step_exposed(Trace()) == 0.0
 
 
+def test_the_step_is_every_ranks_backward_and_then_the_exposed_tail():
+    """Rank 0's backward runs 0 → 3 ms, rank 1's 2 → 5 ms; the last all-reduce ends at 6 ms: the step pays
+    5 ms of backward (first start to last end) and 1 ms of tail."""
+    ms = 1e-3
+    late = [dataclasses.replace(e, rank=1, start=e.start + 2 * ms, end=e.end + 2 * ms) for e in synthetic()]
+    st = step_time(Trace(synthetic() + late))
+    assert st["backward"] == pytest.approx(5 * ms) and st["exposed"] == pytest.approx(1 * ms)
+    assert st["step"] == pytest.approx(6 * ms)
+    assert step_time(synthetic())["step"] == pytest.approx(4 * ms)
+    assert step_time(Trace()) == {"backward": 0.0, "exposed": 0.0, "step": 0.0}
+
+
+def test_thread_cpu_averages_what_each_rank_reported():
+    tr = Trace([Event(0, "thread_cpu", meta={"compute": 0.04, "communication": 0.01}),
+                Event(1, "thread_cpu", meta={"compute": 0.06, "communication": 0.03})])
+    assert thread_cpu(tr) == pytest.approx({"compute": 0.05, "communication": 0.02})
+    assert thread_cpu(synthetic()) is None
+
+
 def test_state_clips_blocks_at_the_cursor_and_counts_what_is_in_flight():
     st = timeline_state(synthetic(), step=11, n_steps=16)      # t = 4 ms · 12/16 = 3 ms
     assert st["t"] == pytest.approx(3e-3)
@@ -68,8 +88,59 @@ def test_every_frame_draws_and_an_empty_trace_says_what_to_record():
     assert render_png(draw_timeline, empty, dpi=30).startswith(b"\x89PNG")
 
 
+def test_a_profiled_backward_gives_both_traces_of_the_same_step_on_one_clock(world, tmp_path):
+    """profiled_run on 2 live ranks (3 layers in 2 buckets): the course's trace and torch.profiler's of the same
+    backward.  The profiler shows each bucket's all-reduce once, on one of gloo's own threads (not the thread that
+    computes); mapped onto the course's clock, each lies inside the course's span of a bucket (posted → waited for).
+    Both files load as Chrome traces, the course's holding every event with its rank, op and bytes; every rank's
+    backward also reports the CPU its gloo threads used."""
+    import json
+
+    from reference.data.lecture import chrome_lanes_of, profiled_run, write_chrome_traces
+    run = profiled_run(world=world(2), layers=3, width=64, rows=8)
+    tr = run["trace"]
+    for r, (doc, offset) in enumerate(zip(run["profiles"], run["offsets"])):
+        assert sorted(e.meta["layer"] for e in tr.filter("compute", rank=r)) == [0, 1, 2]
+        spans = [(e.start, e.end) for e in tr.filter("all_reduce", rank=r)]
+        assert len(spans) == 2 and len(tr.filter("backward_start", rank=r)) == 1
+        assert tr.filter("thread_cpu", rank=r)[0].meta["communication"] > 0
+        assert doc["distributedInfo"]["rank"] == r
+        ars = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("name") == "gloo:all_reduce"]
+        assert len(ars) == 2 and all(e["tid"] != e["pid"] for e in ars)
+        slack = 2e-3
+        for e in ars:
+            start, end = e["ts"] / 1e6 - offset, (e["ts"] + e["dur"]) / 1e6 - offset
+            assert any(s - slack <= start and end <= t + slack for s, t in spans), (start, end, spans)
+    paths = write_chrome_traces(run, tmp_path / "build")
+    course = json.load(open(paths["course"]))["traceEvents"]
+    xs = [e for e in course if e["ph"] == "X"]
+    assert len(xs) == len(tr) and all({"rank", "op", "nbytes"} <= set(e["args"]) for e in xs)
+    assert sum(e["args"]["nbytes"] for e in xs if e["args"]["op"] == "all_reduce") == \
+        sum(e.nbytes for e in tr.filter("all_reduce"))
+    profiler = json.load(open(paths["profiler"]))["traceEvents"]
+    assert len({e["pid"] for e in profiler if e.get("ph") == "X" and isinstance(e.get("pid"), int)}) == 2
+    lanes = chrome_lanes_of(run)
+    labels = [lane["label"] for lane in lanes["profiler"]]
+    assert "rank 0 · main thread" in labels and any("gloo" in lb for lb in labels)
+    assert lanes["window"][0] < 0 < lanes["window"][1]
+
+
 GRADED = ["all_reduce_gradients", "assign_buckets", "grad_ready", "finish_buckets", "zero_step", "gather_full_params",
           "reduce_scatter_grad"]
+
+
+def test_a_learners_bucket_all_reduces_that_say_nothing_keep_their_place_on_the_timeline():
+    """A learner's 3.2 posts each bucket with a bare comm.all_reduce_async: without what="grads" and bucket=
+    they are still the step's gradient all-reduces, numbered in the order they were posted."""
+    from reference.data.lecture import _bucket_order, _gradient_all_reduce
+    ref = synthetic()
+    bare = Trace(dataclasses.replace(e, meta={}) if e.op == "all_reduce" else e for e in ref)
+    kept = _bucket_order(Trace(e for e in bare if e.op != "all_reduce" or _gradient_all_reduce(e)))
+    assert sorted((e.start, e.meta["bucket"]) for e in kept if e.op == "all_reduce") == \
+        sorted((e.start, e.meta["bucket"]) for e in ref if e.op == "all_reduce")
+    assert timeline_state(kept, 9) == timeline_state(ref, 9) and step_exposed(kept) == step_exposed(ref)
+    loss = Event(0, "all_reduce", nbytes=8, start=0.0, end=0.0, meta={"what": "loss"})
+    assert not _gradient_all_reduce(loss)
 
 
 def test_the_overlap_story_is_checked_before_a_recording_ships():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from exercises.grading import core, release
+from exercises.grading import core, leaks, release
 from tests.conftest import COURSE_ORACLE, browser_available, release_answers, release_ids
 from tests.release_notebooks import WHERE, cell_text, explains, problems
 
@@ -63,30 +63,10 @@ def test_graded_function_in_release_is_only_docstring_and_delegation_to_learner(
 
 def test_no_distinctive_solution_line_survives_anywhere_in_the_release(built):
     release_text = "\n".join(p.read_text(errors="replace") for p in built.rglob("*") if p.suffix in (".py", ".ipynb"))
-    # what learners are shown anyway (stub hints, notebooks) is not a leak
-    public = "\n".join(p.read_text() for p in list((ROOT / "exercises").glob("*.py"))
-                       + list((ROOT / "notebooks").glob("*.ipynb")))
-    import exercises  # the tiered hints are shown to learners on purpose (hint("N.M"))
-    public += "\n".join(t for tiers in exercises.hints().values() for t in tiers)
-    bodies = {}
-    for ex, name, fn in GRADED:
-        src_file = Path(inspect.getsourcefile(fn)).read_text()
-        node = _function(ast.parse(src_file), fn.__name__)
-        start = node.body[1].lineno if ast.get_docstring(node) and len(node.body) > 1 else node.body[0].lineno
-        bodies[(ex.id, name)] = src_file.splitlines()[start - 1:node.end_lineno]
-    # a line that also stands in non-graded reference code is shared plumbing, not a solution line
-    outside = "\n".join(p.read_text() for p in (ROOT / "reference").rglob("*.py"))
-    for lines in bodies.values():
-        outside = outside.replace("\n".join(lines), "")
-    checked = 0
-    for (ex_id, name), body_lines in bodies.items():
-        for line in body_lines:
-            s = line.strip()
-            if len(s) < 30 or s.startswith("#") or s in outside or s in public:
-                continue   # short or shared lines prove nothing
-            checked += 1
-            assert s not in release_text, f"{ex_id} {name}: solution line found in the release: {s!r}"
-    assert checked >= len(GRADED)   # the scan looked at real solution lines
+    lines = leaks.solution_lines(REGISTRY)      # what learners are shown anyway, or shared plumbing, left out
+    assert sum(map(len, lines.values())) >= len(GRADED)   # the scan looks at real solution lines
+    found = leaks.find_leaks(release_text, lines)
+    assert not found, "solution lines found in the release:\n" + "\n".join(f"{i} {n}: {s!r}" for i, n, s in found)
 
 
 def test_the_release_readme_is_the_students_and_everything_it_names_is_there(built):

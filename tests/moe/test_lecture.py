@@ -142,6 +142,24 @@ def test_state_of_a_real_run_matches_the_layer_and_top2_sends_twice_the_bytes(wo
     assert off[2] == [2 * b for b in off[1]] and off[1][0] > 0
 
 
+def test_a_learners_dispatch_and_combine_that_label_nothing_replay_like_the_references(world):
+    """5b.3's all-to-alls need not say which is which: in a forward the first is the dispatch, the second
+    the combine.  The reference's trace with its dispatch/combine labels stripped gives the same states."""
+    from dataclasses import replace
+    from reference.widgets.routing import bytes_per_phase
+    trace = world(2).run(routing_run, 4, 2, 1.0, 8, 16, 3).trace
+    graded = ("what", "tokens_per_dest", "tokens_per_src")
+    bare = [replace(e, meta={k: v for k, v in e.meta.items() if k not in graded})
+            if e.op == "all_to_all" and e.meta.get("what") in ("dispatch", "combine") else e for e in trace]
+    assert bytes_per_phase(bare)["dispatch"] and all(e.meta.get("what") is None for e in bare if e.op == "all_to_all")
+    for step in range(len(phases(2))):
+        want, got = routing_state(trace, step), routing_state(bare, step)
+        for phase in ("dispatch", "combine"):
+            for r in (0, 1):
+                want["bytes"][phase][r]["tokens_off_rank"] = got["bytes"][phase][r]["tokens_off_rank"] = None
+        assert got == want
+
+
 # ----------------------------------------------------------------------------------------------
 # The 5b detectors
 

@@ -27,6 +27,19 @@ CASES = {
     "dropless_top2_skewed_uneven_T": (dict(num_experts=8, k=2, dropless=True, hot_experts=[0, 1], uneven=3), False),
     "dropless_top1_skewed": (dict(num_experts=8, k=1, dropless=True, hot_experts=[5]), False),
     "dropless_top2_balanced": (dict(num_experts=8, k=2, dropless=True), False),
+    # frontier MoE (lecture 5b, part 2): fine-grained top-8 of 16 with a sigmoid router and 2 shared experts;
+    # loss-free bias (changes the choices, not the weights); sequence-wise balance loss; the all-to-all in two
+    # overlapped halves; each token's experts on at most 1 node of 2 ranks; large sigmoid logits; padded + shared
+    "frontier_sigmoid_top8_E16_shared2": (dict(num_experts=16, k=8, dropless=True, router="sigmoid",
+                                               shared_experts=2, d_ff=4), False),
+    "frontier_loss_free_bias": (dict(num_experts=8, k=2, dropless=True, balance="loss_free", bias_scale=0.3), False),
+    "frontier_seq_aux": (dict(num_experts=8, k=2, dropless=True, balance="seq_aux", seqs_per_rank=2), False),
+    "frontier_overlap_skewed_uneven_T": (dict(num_experts=8, k=2, dropless=True, overlap=True, hot_experts=[0, 1],
+                                              uneven=3, shared_experts=1), False),
+    "frontier_node_limited_k4_M1": (dict(num_experts=8, k=4, dropless=True, max_nodes=1, devices_per_node=2), False),
+    "frontier_sigmoid_large_logits": (dict(num_experts=8, k=2, dropless=True, router="sigmoid", scale=20.0), False),
+    "frontier_padded_sigmoid_shared": (dict(num_experts=8, k=2, capacity_factor=1.0, router="sigmoid",
+                                            shared_experts=1), True),
 }
 
 
@@ -47,8 +60,9 @@ def results(world):
     return get
 
 
-@pytest.mark.parametrize("W", [1, 2, 4])
-@pytest.mark.parametrize("name", [n for n in CASES if not n.endswith("_E6")])
+@pytest.mark.parametrize("W,name", [(W, n) for n in CASES if not n.endswith("_E6") for W in (1, 2, 4)
+                                    if W == 4 or not n.startswith("frontier")])
+# (frontier cases: on 4 ranks here, 3 and 8 below, 1 in test_frontier.py, 2 through the composed runs)
 def test_expert_parallel_outputs_and_gradients_equal_single_process(results, W, name):
     res = results(W, name)
     vals = res.values
@@ -61,6 +75,9 @@ def test_expert_parallel_outputs_and_gradients_equal_single_process(results, W, 
             for a, b in zip(grads, t["expert_grads"][v["first_expert"] + i]):
                 close(a, b, f"expert {v['first_expert'] + i} gradient on rank {r}")
         close(v["router_grad"], t["router_grad"], f"rank {r} router gradient averaged over ranks")
+        assert len(v["shared_grads"]) == len(t["shared_grads"])
+        for a, b in zip(v["shared_grads"], t["shared_grads"]):
+            close(a, b, f"rank {r} shared expert gradient averaged over ranks")
     # the case tests what its name says: drops happen, or none do
     dropped = sum(v["dropped"] for v in vals)
     assert (dropped > 0) == CASES[name][1], f"dropped={dropped}"
@@ -69,6 +86,10 @@ def test_expert_parallel_outputs_and_gradients_equal_single_process(results, W, 
 ODD = {  # an odd world size: 3 ranks, 6 experts (2 per rank)
     "top2_cf0.5_drops_E6": (dict(num_experts=6, k=2, capacity_factor=0.5), True),
     "dropless_top1_skewed_uneven_T_E6": (dict(num_experts=6, k=1, dropless=True, hot_experts=[2], uneven=2), False),
+    # frontier, odd: sigmoid top-3 of 6, a shared expert, a loss-free bias, overlapped halves of 1, 3 and 5 tokens
+    "frontier_sigmoid_top3_overlap_tiny_T_E6": (dict(num_experts=6, k=3, dropless=True, router="sigmoid",
+                                                     shared_experts=1, balance="loss_free", bias_scale=0.3,
+                                                     overlap=True, tokens=1, uneven=2), False),
 }
 CASES.update(ODD)
 
@@ -79,8 +100,8 @@ def test_expert_parallel_on_three_ranks_equals_single_process(results, name):
     test_aux_loss_is_the_whole_batch_value_on_every_rank(results, 3, name)
 
 
-@pytest.mark.parametrize("W", [2, 4])
-@pytest.mark.parametrize("name", [n for n in CASES if n not in ODD])
+@pytest.mark.parametrize("W,name", [(W, n) for n in CASES if n not in ODD for W in (2, 4)
+                                    if W == 4 or not n.startswith("frontier")])
 def test_aux_loss_is_the_whole_batch_value_on_every_rank(results, W, name):
     vals = results(W, name).values
     for v in vals:
@@ -155,6 +176,39 @@ def test_a_routing_whose_slots_skip_a_place_is_refused_by_the_padded_path():
     with pytest.raises(ValueError, match="slots must be 0, 1"):
         _by_expert(bad, 4, padded=True)
     _by_expert(bad, 4)                                                    # dropless: any order will do
+
+
+def test_frontier_layer_on_eight_ranks_equals_single_process(world):
+    """W = 8, kept tiny: 16 fine experts (2 per rank), sigmoid top-8, a shared expert, a loss-free bias, the
+    overlapped halves; 6 tokens per rank."""
+    cfg = dict(num_experts=16, k=8, dropless=True, router="sigmoid", shared_experts=1, overlap=True,
+               balance="loss_free", bias_scale=0.3, tokens=6, d_ff=4)
+    CASES["frontier_8_ranks"] = (cfg, False)
+    cache = {}
+    test_expert_parallel_outputs_and_gradients_equal_single_process(
+        lambda W, name: cache.setdefault(name, world(W).run(workers.ep_vs_single, CASES[name][0])), 8,
+        "frontier_8_ranks")
+
+
+def test_node_limited_routing_keeps_each_tokens_experts_on_one_node(results):
+    """4 ranks on 2 nodes of 2, 8 experts (2 per rank): with max_nodes=1 each token's 4 experts lie on ranks
+    {0, 1} or {2, 3}: its dispatch goes to one node only (without the limit, top-4 of 8 usually spans both)."""
+    res = results(4, "frontier_node_limited_k4_M1")
+    for v in res.values:
+        node = v["expert_index"] // 4                               # experts 0-3 on node 0, 4-7 on node 1
+        assert (node == node[:, :1]).all()
+        assert v["unlimited_spans_nodes"] > 0                      # the same logits, no limit: some span both
+
+
+def test_overlapped_halves_trace_two_dispatches_and_combines_per_rank(results):
+    res = results(4, "frontier_overlap_skewed_uneven_T")
+    for r in range(4):
+        halves = sorted(e.meta["half"] for e in res.trace.filter(op="all_to_all", rank=r, what="dispatch"))
+        assert halves == [0, 1]
+        assert len(res.trace.filter(op="all_to_all", rank=r, what="combine")) == 2
+        assert len(res.trace.filter(op="compute", rank=r, what="experts")) == 2
+        # the backward's adjoints: one per posted all-to-all
+        assert len(res.trace.filter(op="all_to_all", rank=r, what="dispatch.backward")) == 2
 
 
 def test_skewed_dropless_routing_leaves_rank_pairs_that_send_nothing(results):

@@ -2,13 +2,17 @@
 
 The notebooks are the student release's (built once per session, see conftest.py), with the stubs as
 shipped: what a learner opens before writing anything.  For each one, open it in a fresh JupyterLab
-workspace (a copy in a temporary folder, so nothing is written back), run all cells, and check that
+workspace (on a copy of the release in a temporary folder, so nothing is written back), run all cells, and
+check that
 
 * no cell ends in an error, the kernel imported the release's packages, no explaining cell waits
   for a solution and grading cells say "not implemented" (tests/release_notebooks.py; when this
   test runs, test_classroom_release.py leaves its own nbclient run of the notebooks to it),
 * every widget output rendered as a widget (no "Error displaying widget", none left loading),
-* moving each step slider one notch changes the picture under it, and pressing Play does too.
+* moving each step slider one notch changes the picture under it, and pressing Play does too;
+
+and, the first thing every exercise asks, that ``exercises/collectives.py`` opens from the lab's file
+browser (the lab serves the release's root, as ``make lab`` does) and a line typed there is saved.
 
 Screenshots (the whole notebook after the run, each widget before and after it moved) are kept in
 ``build/screenshots/browser/`` for a person to look at.
@@ -33,8 +37,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BROWSER_HOW, browser_missing, chromium_path
-from tests.release_notebooks import WHERE, problems
+from tests.conftest import BROWSER_HOW, browser_missing, headless_chromium
+from tests.release_notebooks import WHERE, keep_run, problems
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
@@ -59,17 +63,22 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory, request):
-    """JupyterLab (the course's own lab settings) on a copy of the release's notebooks, its kernels
-    importing the release; the app is exposed to the page for the test.  -> (url, release folder)"""
+    """JupyterLab (the course's own lab settings) on a copy of the release, served from its root as
+    ``make lab`` serves it, its kernels importing that copy; the app is exposed to the page for the
+    test.  -> (url, the copy of the release)"""
     _require_browser()
     release = request.getfixturevalue("student_release")
     tmp = tmp_path_factory.mktemp("browser")
-    shutil.copytree(release / "notebooks", tmp / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    course = tmp / "course"
+    shutil.copytree(release, course, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__", "*.zip"))
     port = _free_port()
+    # COURSE_ANIMATIONS=html: the replays also carry their HTML animations (the lab draws the widget), so the
+    # notebooks run here can be the website's (tests/website/test_site.py builds pages from them)
     env = dict(os.environ, JUPYTER_CONFIG_PATH=str(ROOT / "scripts" / "jupyter"), JUPYTER_CONFIG_DIR=str(tmp / "cfg"),
-               JUPYTER_RUNTIME_DIR=str(tmp / "rt"), BROWSER="true", PYTHONUNBUFFERED="1", PYTHONPATH=str(release))
+               JUPYTER_RUNTIME_DIR=str(tmp / "rt"), BROWSER="true", PYTHONUNBUFFERED="1", PYTHONPATH=str(course),
+               COURSE_ANIMATIONS="html")
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-           f"--ServerApp.token={TOKEN}", f"--ServerApp.root_dir={tmp / 'notebooks'}",
+           f"--ServerApp.token={TOKEN}", f"--ServerApp.root_dir={course}",
            f"--LabApp.workspaces_dir={tmp / 'ws'}", "--LabApp.expose_app_in_browser=True", "--allow-root"]
     log = open(tmp / "lab.log", "wb")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -83,7 +92,7 @@ def lab(tmp_path_factory, request):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("JupyterLab did not start:\n" + (tmp / "lab.log").read_text()[-3000:]) from None
                 time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}", release
+        yield f"http://127.0.0.1:{port}", course
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -96,14 +105,8 @@ def lab(tmp_path_factory, request):
 
 @pytest.fixture(scope="module")
 def browser(lab):
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=chromium_path(), headless=True,
-                              args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])
-        try:
-            yield b
-        finally:
-            b.close()
+    with headless_chromium() as b:
+        yield b
 
 
 # -- in the page ------------------------------------------------------------------------------------
@@ -177,9 +180,10 @@ RUN_LIMIT = 300                   # seconds one notebook may take to run all its
 
 
 @pytest.fixture(scope="module")
-def executed(lab, browser):
+def executed(lab, browser, release_runs):
     """Open every notebook in its own fresh workspace and run all its cells, PARALLEL at a time.
-    -> {name: (page, summary of the run, seconds)}; the pages stay open for the widget checks."""
+    -> {name: (page, summary of the run, seconds)}; the pages stay open for the widget checks.  Each notebook,
+    as it ran, is also kept in ``release_runs`` (conftest.py) for the website's test."""
     url, _ = lab
     queue, running, done = list(NOTEBOOKS), {}, {}
     t_all = time.perf_counter()
@@ -190,7 +194,7 @@ def executed(lab, browser):
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
                 done[name] = (page, None, 0.0)
                 t0 = time.perf_counter()
-                page.goto(f"{url}/lab/workspaces/test-{Path(name).stem}/tree/{name}?reset&token={TOKEN}")
+                page.goto(f"{url}/lab/workspaces/test-{Path(name).stem}/tree/notebooks/{name}?reset&token={TOKEN}")
                 if not page.evaluate(_OPENED):
                     done[name] = (page, {"errors": ["the notebook or its kernel did not open within 90 s"],
                                          "views": 0, "unrun": -1}, time.perf_counter() - t0)
@@ -207,6 +211,9 @@ def executed(lab, browser):
                     del running[name]
         print(f"\nall {len(NOTEBOOKS)} notebooks ran in the browser in {time.perf_counter() - t_all:.1f} s "
               f"({PARALLEL} at a time)")
+        for name, (_, summary, _) in done.items():
+            if summary and not summary["errors"] and summary.get("cells"):
+                keep_run(summary["cells"], lab[1] / "notebooks" / name, release_runs / name)
         yield done
     finally:
         for page, _, _ in done.values():
@@ -268,3 +275,43 @@ def test_notebook_runs_and_its_widgets_move_in_a_real_browser(lab, executed, nam
     seconds = time.perf_counter() - t0
     print(f"\n{name}: all cells ran in {run_seconds:.1f} s; {result['views']} widgets, {sliders} sliders and "
           f"{plays} Play buttons moved in {seconds:.1f} s; screenshots in {out.relative_to(ROOT)}")
+
+
+@pytest.mark.slow
+def test_an_exercise_opens_from_the_lab_file_browser_and_an_edit_is_saved(lab, browser):
+    url, course = lab                    # (the edit is a comment: the notebooks, which import this file, run alike)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        edit_an_exercise_in_the_lab(page, url, TOKEN, course, SHOTS / "edit-exercise")
+    finally:
+        page.close()
+
+
+EDIT = "# a line typed in the lab's editor by the browser test"
+
+
+def edit_an_exercise_in_the_lab(page, url: str, token: str, course: Path, shots: Path) -> None:
+    """What every exercise asks first: open ``exercises/collectives.py`` from the lab's file browser (the lab
+    serves the course's root, as ``make lab`` does), type a line, save; the file on disk then has it."""
+    shots.mkdir(parents=True, exist_ok=True)
+    page.goto(f"{url}/lab/workspaces/edit-exercise?reset&token={token}")
+    listing = page.locator(".jp-DirListing-content")
+    listing.get_by_text("exercises", exact=True).dblclick(timeout=90_000)
+    listing.get_by_text("collectives.py", exact=True).dblclick(timeout=30_000)
+    editor = page.locator(".jp-FileEditor .cm-content").first
+    editor.wait_for(timeout=30_000)
+    deadline = time.monotonic() + 60                     # the file's text arrives after the editor (a busy machine)
+    while "def ring_all_reduce" not in (editor.text_content() or "") and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert "def ring_all_reduce" in editor.text_content(), "the editor did not show exercises/collectives.py"
+    editor.click()
+    page.keyboard.press("Control+End")
+    page.keyboard.type(EDIT)
+    page.keyboard.press("Control+s")
+    source = course / "exercises" / "collectives.py"
+    deadline = time.monotonic() + 30
+    while EDIT not in source.read_text() and time.monotonic() < deadline:
+        time.sleep(0.3)
+    page.screenshot(path=str(shots / "exercise-edited.png"))
+    assert EDIT in source.read_text(), "the edit typed in the lab did not reach exercises/collectives.py"
+

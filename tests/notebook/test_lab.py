@@ -19,7 +19,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_make_lab_serves_the_index_notebook(tmp_path):
+def test_make_lab_serves_the_course_root_with_the_index_notebook_and_the_exercises(tmp_path):
     port = free_port()
     env = dict(os.environ, JUPYTER_TOKEN="course-test", BROWSER="true", JUPYTER_RUNTIME_DIR=str(tmp_path),
                JUPYTER_CONFIG_DIR=str(tmp_path / "config"))
@@ -30,14 +30,19 @@ def test_make_lab_serves_the_index_notebook(tmp_path):
         body = ""
         while time.monotonic() < deadline:
             try:
-                url = f"http://127.0.0.1:{port}/api/contents/index.ipynb?token=course-test&content=0"
+                url = f"http://127.0.0.1:{port}/api/contents/notebooks/index.ipynb?token=course-test&content=0"
                 with urllib.request.urlopen(url, timeout=5) as r:
                     body = r.read().decode()
                 break
             except OSError:
                 time.sleep(1)
-        assert '"name": "index.ipynb"' in body or '"name":"index.ipynb"' in body, "JupyterLab did not serve index.ipynb"
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/lab/tree/index.ipynb?token=course-test", timeout=10) as r:
+        assert json.loads(body or "{}").get("path") == "notebooks/index.ipynb", "JupyterLab did not serve the index"
+        # the exercises the notebooks ask to open are in the same file browser, editable
+        url = f"http://127.0.0.1:{port}/api/contents/exercises/collectives.py?token=course-test&content=0"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert json.loads(r.read()).get("writable") is True
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/lab/tree/notebooks/index.ipynb?token=course-test",
+                                    timeout=10) as r:
             assert r.status == 200 and "JupyterLab" in r.read().decode()
         # nothing in the learner's way: the course's settings switch off the news and update pop-ups
         url = f"http://127.0.0.1:{port}/lab/api/settings/@jupyterlab/apputils-extension:notification?token=course-test"
@@ -51,4 +56,15 @@ def test_make_lab_serves_the_index_notebook(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
-    assert f":{port}/lab" in out.decode(errors="replace"), "the URL to open was not printed"
+    assert f":{port}/lab/tree/notebooks/index.ipynb" in out.decode(errors="replace"), "the URL to open was not printed"
+
+
+def test_the_student_releases_make_lab_serves_its_root_too():
+    """The release's Makefile (exercises/grading/release.py: student_makefile) keeps the course's lab recipe."""
+    import re
+
+    from exercises.grading.release import student_makefile
+    text = student_makefile((ROOT / "Makefile").read_text())
+    recipe = re.search(r"^lab:.*\n\t(.*)$", text, re.M).group(1)
+    assert "$(LAB_ROOT)" in recipe and "notebooks/index.ipynb" in recipe
+    assert '--ServerApp.root_dir="$(CURDIR)"' in re.search(r"^LAB_ROOT := (.*)$", text, re.M).group(1)

@@ -86,3 +86,16 @@ def test_a_recording_that_breaks_its_story_is_recorded_again_then_refused(demo, 
     monkeypatch.setattr(demo.recordable, "story", lambda out: ["overlap off exposed less"])
     with pytest.raises(recorded.StoryBroken, match="test.demo.*3 recordings.*overlap off exposed less"):
         recorded.record_all(recorded.RECORDINGS, keys=["test.demo"], progress=None)
+
+
+def test_a_replayed_cell_says_how_long_the_recorded_run_took_not_zero_seconds(demo, monkeypatch):
+    import time
+    monkeypatch.setattr(recorded, "import_all", lambda package="reference": {"test.demo": demo.recordable})
+    recorded.record_all(recorded.RECORDINGS, progress=None)
+    seconds = demo.recordable.recordings()[recorded.SECONDS + demo.recordable.call_key((), {})]
+    t0 = time.perf_counter()
+    assert recorded.took(t0).startswith("in ") and "recorded" not in recorded.took(t0)   # nothing replayed
+    _demo.stub = True                                                                     # the release's stub
+    t0 = time.perf_counter()
+    demo()
+    assert recorded.took(t0) == f"in {seconds:.1f} s when recorded (replayed here)"

@@ -83,3 +83,30 @@ def test_torch_order_conversion():
              1: []}
     assert workers.torch_order_as_actions(order, 2) == [
         [Action("F", 0), Action("F", 0, 1), Action("B", 0, 1), Action("W", 0, 1), Action("B", 0)], []]
+
+
+# Beyond ZB-H1 (lecture 4b, §8): torch's breadth-first, ZB-V and DualPipeV, two chunks per rank, the V-shaped
+# ones folded (chunk 0 of rank r is stage r, chunk 1 stage 2p − 1 − r): one process's loss and gradients, each
+# rank running its plan; breadth-first's plan is the one this course states.
+@pytest.mark.parametrize("name,p,m", [("breadth_first", 4, 8), ("zb_v", 4, 8), ("dualpipe_v", 4, 8), ("zb_v", 3, 5)])
+def test_torchs_newer_schedules_give_one_process_gradients_and_run_as_planned(world, name, p, m):
+    from reference.pipeline.beyond import breadth_first
+    values = run(world, p, workers.torch_pipeline_worker, name, m, virtual_stages=2)
+    loss, grads = loss_and_grads(values)
+    truth = single_process_truth(m, num_stages=p, virtual_stages=2)
+    assert set(grads) == set(truth["grads"]) and abs(loss - truth["loss"]) < TOL
+    for n in grads:
+        assert (grads[n] - truth["grads"][n]).abs().max().item() < TOL, n
+    plan = values[0]
+    assert [v["executed"] for v in values] == plan["order"]
+    assert plan["placement"] == ("loop" if name == "breadth_first" else "v")
+    # a full backward becomes B then W for the one clock (nothing else changes); every pair DualPipeV
+    # overlaps is the forward of one chunk beside the backward of the other
+    def strip(order):
+        return [[a for a in acts if a.kind != "W"] for acts in order]
+    assert strip(plan["order_split"]) == strip(plan["order"])
+    assert sum(map(len, plan["order_split"])) - sum(map(len, plan["order"])) == len(plan["full_backwards"])
+    assert bool(plan["overlapped"]) == (name == "dualpipe_v")
+    assert all(f.kind == "F" and b.kind == "B" and f.chunk != b.chunk for _, f, b in plan["overlapped"])
+    if name == "breadth_first":
+        assert plan["order"] == [breadth_first(p, m, 2, r) for r in range(p)]

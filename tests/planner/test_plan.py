@@ -217,7 +217,7 @@ def test_gshard_needs_expert_parallelism():
     no_ep = P.plan(GSHARD_600B, TPU_V3_2048, P.with_sizes(GSHARD_PLAN, ep=1))
     assert not no_ep.fits and no_ep.bottleneck.startswith("memory: model states")
     assert no_ep.total_memory > 100 * published.total_memory
-    ok, _ = P.search(GSHARD_600B, TPU_V3_2048, zero_stages=(0,), recompute=("none",), top=5)
+    ok, _ = P.search(GSHARD_600B, TPU_V3_2048, zero_stages=(0,), recompute=("none",), top=5, etp_sizes=(1,))
     assert ok and all(pl.comp.ep >= 64 for pl in ok)
 
 

@@ -61,12 +61,12 @@ def test_step_time_error_over_the_shipped_rows():
     assert statistics.median(today) > statistics.median(errors)         # the ceiling is what moved it
 
 
-def test_held_out_h100_runs_stay_within_the_worst_bound():
-    """19 runs the model was not developed against (NVIDIA's DGX Cloud recipes on H100, NeMo 24.09/24.11: GPT-3
-    175B, Llama 3.1 70B and 405B, Nemotron-4 340B, 64 to 2,304 GPUs), with every setting their YAML states.  Each
-    is expressed, and within the issue's worst bound (20 %).  They are all predicted too fast (today −7.4 … −18.7 %):
-    printed with the same rows with TP communication counted as exposed, which lands closer (+1.1 … −8.5 %) —
-    the time model counts TransformerEngine's TP overlap as free (lecture 5c says what would settle it)."""
+def test_held_out_h100_runs_within_the_targets():
+    """19 runs the model was not developed against (NVIDIA's DGX Cloud recipes on H100, NeMo 24.09: GPT-3 175B,
+    Llama 3.1 70B and 405B, Nemotron-4 340B, 64 to 2,304 GPUs), with every setting their own YAML states: median
+    |error| ≤ 10 % and worst ≤ 20 % (today 7.4 % and 12.6 %, all still too fast).  Printed beside the same rows
+    with TP communication counted as exposed: the overlap the recipes configure costs time but hides most of it,
+    so the truth lies between the two columns."""
     rows = compare(HELD_OUT_RUNS)
     assert len(rows) == 19 and len({r["run"].name for r in rows}) == 19
     exposed = compare(HELD_OUT_RUNS, tp_overlap=False)
@@ -76,23 +76,29 @@ def test_held_out_h100_runs_stay_within_the_worst_bound():
         print(f"{run.name:42s} published {r['published']:6.2f} s  predicted {r['predicted']:6.2f} s  "
               f"{r['error']:+.1%}   TP exposed {x['error']:+.1%}   MFU {pl.mfu:.1%} (the recipe: "
               f"{run.tflops_per_gpu * 1e12 / run.cluster.flops:.1%})   {pl.total_memory / P.GB:.1f} GB")
-        assert abs(r["error"]) <= 0.20
         assert x["predicted"] > r["predicted"] and not x["run"].comp.tp_overlap   # the switch reaches the plan
+    errors = [abs(r["error"]) for r in rows]
+    print(f"median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}")
+    assert statistics.median(errors) <= 0.10 and max(errors) <= 0.20
 
 
-# NVIDIA ran it; the planner's memory (an upper bound: each entry from the stage where it is largest, and a
-# 10 % margin kept free) says 85.8 GB of 80 — every stage over the 72 GB it allows, even a middle one (78.8).
-_TOO_BIG_FOR_THE_PLANNER = {"Nemotron-4 340B, tp 8 pp 8 v 12 on 128"}
-
-
-@pytest.mark.parametrize("run", [pytest.param(r, marks=pytest.mark.xfail(
-    r.name in _TOO_BIG_FOR_THE_PLANNER, strict=True, reason="the planner's memory model is conservative here"))
-    for r in HELD_OUT_RUNS], ids=lambda r: r.name)
+@pytest.mark.parametrize("run", HELD_OUT_RUNS, ids=lambda r: r.name)
 def test_held_out_runs_fit_in_memory(run):
-    """The recipes ran every row, so each should fit.  One does not by the planner's accounting: kept as a strict
-    expected failure, so that a change to the memory model that makes it fit has to say so here."""
+    """The recipes ran every row, so each fits — Nemotron-4 340B on 128 GPUs too, now that its optimizer state is
+    counted as its recipe keeps it (bf16: 6 bytes per parameter, not 12) and an interleaved stage holds the layers
+    of the chunk-forwards in flight, not an average chunk's."""
     pl = P.plan(run.model, run.cluster, run.comp)
     assert pl.fits, pl.summary()
+
+
+def test_nemotron_fits_for_the_reason_its_recipe_states():
+    """The same 128-GPU row with the fp32 optimizer state Megatron's own optimizer keeps (12 bytes) does not fit:
+    the recipe's bf16 state (distributed_fused_adam, dtype bf16) is what makes room."""
+    run = next(r for r in HELD_OUT_RUNS if r.name.startswith("Nemotron") and r.cluster.devices == 128)
+    fp32_state = P.plan(replace(run.model, optimizer_bytes=12), run.cluster, run.comp)
+    bf16_state = P.plan(run.model, run.cluster, run.comp)
+    assert bf16_state.fits and not fp32_state.fits
+    assert fp32_state.memory["optimizer"] == pytest.approx(2 * bf16_state.memory["optimizer"])
 
 
 def test_error_no_longer_grows_with_model_size():
@@ -147,15 +153,17 @@ def test_activation_memory_equals_korthikanti_table_2(technique, uses_tp, sp, re
 
 @pytest.mark.parametrize("run", [r for r in NARAYANAN_TABLE_1 if r.comp.virtual_stages > 1], ids=lambda r: r.name)
 def test_interleaved_first_stage_holds_korthikanti_factor(run):
-    """§4.2.3: with v chunks per device the first stage holds L·(1 + (p−1)/(p·v)) layers' activations."""
+    """§4.2.3: with v chunks per device the first stage holds L·(1 + (p−1)/(p·v)) layers' activations (without
+    dropout: the embedding's dropout mask, one per chunk-0 forward in flight, is no layer's)."""
     comp = P.with_sizes(run.comp, recompute="none")
+    model = replace(run.model, dropout=False)
     p, v = comp.pp, comp.virtual_stages
-    first = P.plan(run.model, run.cluster, comp, stage=0).memory["activations"]
-    per_layer = P.activation_bytes_per_layer(run.model, tp=comp.tp, sequence_parallel=False)
-    factor = first / (per_layer * run.model.layers)
+    first = P.plan(model, run.cluster, comp, stage=0).memory["activations"]
+    per_layer = P.activation_bytes_per_layer(model, tp=comp.tp, sequence_parallel=False)
+    factor = first / (per_layer * model.layers)
     assert factor == pytest.approx(1 + (p - 1) / (p * v), rel=0.02)
-    plain = P.plan(run.model, run.cluster, P.with_sizes(comp, virtual_stages=1), stage=0).memory["activations"]
-    assert plain / (per_layer * run.model.layers) == pytest.approx(1.0, rel=0.02)
+    plain = P.plan(model, run.cluster, P.with_sizes(comp, virtual_stages=1), stage=0).memory["activations"]
+    assert plain / (per_layer * model.layers) == pytest.approx(1.0, rel=0.02)
 
 
 # ------------------------------------------------------------------ the search against the papers' choices

@@ -29,10 +29,15 @@ def test_presets_carry_their_datasheet_figures_and_overrides():
     a, h = P.Cluster.preset("a100-80gb-sxm", 16), P.preset("h100-80gb-sxm", 16)
     assert (a.flops, a.hbm_bw, a.memory, a.sms, a.devices_per_node) == (312e12, 2039e9, 80e9, 108, 8)
     assert (h.flops, h.hbm_bw, h.sms, h.intra_bw, h.inter_bw) == (989e12, 3.35e12, 132, 450e9, 50e9)
-    assert a.first_principles and h.gemm_ceiling == pytest.approx(794.5 / 989)
+    # the H100's GEMMs at the sustained (power-saturated) share of its burst MAMF; FP8 at its own peak and ceiling
+    assert a.first_principles and h.gemm_ceiling == pytest.approx(794.5 / 989 * 755.5 / 852.1)
+    assert (h.fp8_flops, a.fp8_flops) == (1979e12, 0.0) and h.fp8_gemm_ceiling == pytest.approx(1402.6 / 1979 * 755.5
+                                                                                                  / 852.1)
+    h8 = P.Cluster.preset("h800-80gb-sxm", 2048)
+    assert (h8.flops, h8.fp8_flops, h8.intra_bw * h8.intra_efficiency, h8.inter_bw) == (989e12, 1979e12, 160e9, 50e9)
     assert P.Cluster.preset("h100-80gb-sxm", 8, inter_bw=25e9).inter_bw == 25e9
     assert not P.Cluster.preset("a100-80gb-sxm", 8, mfu=0.5).first_principles     # the override wins
-    assert set(PRESETS) >= {"a100-80gb-sxm", "h100-80gb-sxm"}
+    assert set(PRESETS) >= {"a100-80gb-sxm", "h100-80gb-sxm", "h800-80gb-sxm"}
     with pytest.raises(ValueError, match="unknown hardware preset 'b300'"):
         P.Cluster.preset("b300", 8)
 
@@ -138,8 +143,8 @@ def test_recomputation_by_granularity_costs_time_and_counts_in_hfu_only():
 
 def test_overlap_switches_expose_what_they_should():
     base = P.Composition(dp=8, tp=8)
-    assert "tp" in P.plan(GPT, A100, base).exposed
-    assert "tp" not in P.plan(GPT, A100, P.with_sizes(base, tp_overlap=True)).exposed
+    exposed, overlapped = (P.plan(GPT, A100, P.with_sizes(base, tp_overlap=o)).exposed["tp"] for o in (False, True))
+    assert 0 < overlapped < 0.5 * exposed          # overlap hides most of it, and is not free (.overlap)
     z3 = P.Composition(dp=64, zero=3, recompute="full", micro_batch=1)
     hidden, shown = (P.plan(GPT, A100, P.with_sizes(z3, fsdp_prefetch=f)).exposed["zero3"] for f in (True, False))
     assert hidden < shown
@@ -229,3 +234,34 @@ def test_with_overlap_only_the_last_bucket_of_the_gradient_sync_is_exposed():
     assert table > DDP_BUCKET_BYTES
     assert plans[True].exposed["dp"] == pytest.approx(collective_time("all_reduce", table, 64, A100, "inter"))
     assert plans[False].exposed["dp"] > 5 * plans[True].exposed["dp"]
+
+
+# ------------------------------------------------------------------ a CPU world measured here (planner.machine)
+
+CPU = P.Cluster("2 CPU ranks (figures as measured)", devices=2, memory=8 * P.GB, flops=40e9, intra_bw=2e9,
+                inter_bw=2e9, devices_per_node=2, hbm_bw=15e9, sms=1, gemm_ceiling=1.0, attention_ceiling=0.5,
+                alpha_intra=1e-4, alpha_inter=1e-4, gemm_sweep=((1e4, 4e9), (1e6, 30e9), (1e9, 15e9)), cores=2)
+
+
+def test_a_measured_gemm_sweep_times_gemms_by_their_size():
+    """With a measured sweep a GEMM runs at the sweep's rate for its FLOPs (log-log between the sizes around it),
+    not at the GPU tile model's: a tiny GEMM costs the smallest one's time, a huge one the last rate."""
+    assert gemm_time(100, 100, 50, CPU) == pytest.approx(1e6 / 30e9)                # 2·100·100·50 = 1e6 FLOPs
+    between = 2 * 1000 * 1000 * 50                                                   # 1e8: between 1e6 and 1e9
+    rate = math.exp(math.log(30e9) + (math.log(15e9) - math.log(30e9)) * math.log(1e8 / 1e6) / math.log(1e3))
+    assert gemm_time(1000, 1000, 50, CPU) == pytest.approx(between / rate)
+    assert gemm_time(10, 10, 10, CPU) == pytest.approx(1e4 / 4e9)                   # below the sweep: a fixed time
+
+
+def test_ranks_sharing_cores_put_a_floor_under_the_step():
+    """Eight ranks on two cores: the step takes at least the eight ranks' CPU work over the two cores, and the
+    planner says so; two ranks on two cores keep their own timelines."""
+    tiny = P.tiny_gpt(GPTConfig(vocab=27, layers=2, d_model=64, heads=2, d_ff=256, seq_len=32), batch_size=8,
+                      micro_batch=1)
+    two = P.plan(tiny, CPU, P.Composition(dp=2, flash=True, sequence_parallel=False, micro_batch=4))
+    eight = P.plan(tiny, replace(CPU, devices=8, devices_per_node=8),
+                   P.Composition(dp=8, flash=True, sequence_parallel=False))
+    assert two.cpu_floor <= two.step_time and not two.bottleneck.startswith("time: CPU")
+    assert eight.bottleneck == "time: CPU-bound (8 ranks on 2 cores)" and eight.step_time == eight.cpu_floor
+    assert eight.cpu_floor == pytest.approx(8 * (eight.compute_time + eight.optimizer_time) / 2)
+    assert "CPU shared by ranks" in P.time_terms(eight) and eight.reasons[1].startswith("CPU: 8 ranks")

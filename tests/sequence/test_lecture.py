@@ -44,6 +44,42 @@ def _state(run, step):
 # The widget's state
 
 
+def test_backward_bytes_of_a_learners_ring_whose_messages_say_nothing_are_split_at_the_backwards_start(world):
+    """The reference's forward + backward trace, and the same with phase/what stripped from every message (a
+    learner's): the forward's bytes are the same; the backward's are one kind, K/V and dK/dV together."""
+    from dataclasses import replace
+
+    from reference.sequence.lecture import message_kinds
+    from reference.trace import Trace
+    trace = world(4).run(workers.ring_timing_worker, 32, 4, backward=True, heads=2, heads_kv=2, head_dim=8).trace
+    bare = Trace(replace(e, step=None, meta={}) if e.op in ("send", "recv") else e for e in trace)
+    ref, theirs = message_kinds(trace), message_kinds(bare)
+    assert set(theirs) == {"forward K/V", "backward K/V and dK/dV"}
+    count = lambda t: t.bytes_by_rank()                  # noqa: E731
+    assert count(theirs["forward K/V"]) == count(ref["forward K/V"]) and count(ref["forward K/V"])
+    both = {r: count(ref["backward K/V"])[r] + count(ref["backward dK/dV"])[r] for r in range(4)}
+    assert count(theirs["backward K/V and dK/dV"]) == both
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_a_learners_ring_that_traces_nothing_replays_and_measures_like_the_reference(world, runs, layout):
+    """A learner's forward passes no step/what/chunks and opens no trace span: the given kernel still
+    measures every block's pairs, and the widget places each hop by its order, as the reference's run."""
+    from tests.workers.sequence_workers import ring_forward_of
+    W = 4
+    res = world(4).run(ring_forward_of, "tests.submissions._ring_attention", L, W, layout, True)
+    assert max(v["max_error"] for v in res.values) < 1e-5
+    assert not any(e.meta.get("what") or e.step is not None for e in res.trace if e.op in ("send", "recv"))
+    theirs, ref = ringw.RingRun(res.trace, W, layout, True, L), runs[(layout, W, True)]
+    mine = res.trace.filter(op="compute", what="attn_fwd").meta_sum("pairs")
+    assert [mine[r] for r in range(W)] == ringw.expected_pairs(L, W, layout, True)
+    for s in range(W):
+        a, b = _state(theirs, s), _state(ref, s)
+        assert (a.holds, a.sends, a.pairs, a.owner.tolist()) == (b.holds, b.sends, b.pairs, b.owner.tolist())
+
+
+
+
 def test_after_step_s_rank_r_holds_the_kv_of_rank_r_minus_s(runs):
     for (layout, W, causal), run in runs.items():
         for s in range(W):
@@ -317,3 +353,91 @@ def test_peak_memory_is_refused_in_ranks_that_keep_freed_memory(world):
     from reference.launch import WorldError
     with pytest.raises(WorldError, match="keep_freed_memory=False"):
         world(2).run(workers.peak_memory_worker, 256, 2, heads=2, head_dim=64)
+
+
+# ----------------------------------------------------------------------------------------------
+# The lecture's arithmetic: packed documents, RoPE, recomputation, and what the timeline's step adds up
+
+
+def _document_pairs_by_mask(docs, held):
+    """Ground truth: the document-causal mask written out, its rows summed over the tokens a rank holds."""
+    doc = torch.cat([torch.full((d,), i) for i, d in enumerate(docs)])
+    L = len(doc)
+    mask = (doc[:, None] == doc[None, :]) & torch.ones(L, L, dtype=torch.bool).tril()
+    return [int(mask[h].sum()) for h in held]
+
+
+@pytest.mark.parametrize("docs, W", [([16], 2), ([24, 8, 16, 8, 8], 4), ([12, 6, 6], 3)])
+def test_document_pairs_are_the_document_masks_rows_on_each_layout(docs, W):
+    from reference.sequence import lecture
+    from reference.sequence.layouts import positions
+    L = sum(docs)
+    for layout in ("contiguous", "zigzag"):
+        held = [positions(L, r, W, layout) for r in range(W)]
+        assert lecture.document_pairs(docs, W, layout) == _document_pairs_by_mask(docs, held)
+    starts = [sum(docs[:i]) for i in range(len(docs))]
+    held = [torch.cat([s + positions(d, r, W, "zigzag") for s, d in zip(starts, docs)]) for r in range(W)]
+    per_doc = lecture.document_pairs(docs, W, "per-document zigzag")
+    assert per_doc == _document_pairs_by_mask(docs, held)
+    assert len(set(per_doc)) == 1 and sum(per_doc) == sum(d * (d + 1) // 2 for d in docs)   # balanced, all pairs
+    with pytest.raises(ValueError):
+        lecture.document_pairs(docs, W, "striped")
+
+
+def test_packed_documents_unbalance_zigzag_and_per_document_zigzag_restores_it():
+    from reference.sequence import lecture
+    docs = [2048, 1024, 512, 256, 256]
+    one = lecture.document_pairs([4096], 4, "zigzag")
+    zig, per_doc = lecture.document_pairs(docs, 4, "zigzag"), lecture.document_pairs(docs, 4, "per-document zigzag")
+    assert len(set(one)) == 1 and len(set(per_doc)) == 1
+    assert max(zig) / (sum(zig) / 4) > 1.4
+
+
+def test_rope_rotates_by_position_so_scores_depend_on_the_distance_only():
+    from reference.sequence.lecture import rope
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, 1, 1, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    # against the complex-number definition: feature pair (2i, 2i+1) times e^{i·pos·base^(−2i/D)}
+    pos = torch.tensor([5])
+    z = torch.view_as_complex(q.reshape(1, 1, 1, 4, 2).contiguous())
+    theta = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    want = torch.view_as_real(z * torch.polar(torch.ones(4, dtype=torch.float64), 5 * theta)).flatten(-2)
+    assert torch.allclose(rope(q, pos), want, atol=1e-14)
+    score = lambda a, b: float((rope(q, torch.tensor([a])) * rope(k, torch.tensor([b]))).sum())   # noqa: E731
+    assert score(9, 4) == pytest.approx(score(105, 100), abs=1e-12) and score(9, 4) != pytest.approx(score(9, 8))
+
+
+def test_rope_on_a_zigzag_shard_needs_the_global_positions():
+    from reference.sequence import lecture
+    rz = lecture.rope_under_zigzag(seq_len=16, world_size=2)
+    assert rz["positions"] == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
+    assert rz["global_error"] == [0.0, 0.0]
+    assert min(rz["local_error"]) > 0.5 and min(rz["attention_error"]) > 0.1
+
+
+def test_full_recomputation_keeps_each_layers_input_and_one_layer_rebuilt():
+    from reference.sequence import lecture
+    s, h, layers = 4096, 4096, 32
+    assert lecture.activation_bytes(s) == layers * 34 * s * h                       # fused, 16-bit
+    assert lecture.activation_bytes(s, recompute="full") == layers * 2 * s * h + 34 * s * h
+    assert lecture.attention_flop_share(131072) == pytest.approx(131072 / (12 * 4096))
+    with pytest.raises(ValueError):
+        lecture.activation_bytes(s, recompute="selective")
+
+
+def test_the_timelines_step_covers_every_ranks_compute_and_the_blocks_alone_are_timed(world):
+    from reference.sequence import lecture
+    tl = lecture.ring_timeline(seq_len=256, world_size=2, heads=2, head_dim=16, world=world(4))
+    stats = ringw.overlap_stats(tl["trace"])
+    assert set(stats) == {0, 1} and tl["pairs"] == [256 * 257 // 4] * 2            # zigzag: balanced
+    assert all(tl["seconds"] >= st["compute"] for st in stats.values())
+    assert all(a > 0 for a in tl["alone"]) and len(tl["comm_cpu"]) == 2
+    assert all(c is None or c >= 0 for c in tl["comm_cpu"])
+
+
+def test_the_head_limit_demo_reports_every_ranks_error_before_any_message_and_keeps_the_world(world):
+    from reference.sequence import lecture
+    w = world(4)
+    limit = lecture.ulysses_head_limit(heads=6, world=w)
+    assert [limit[r][0] for r in range(4)] == ["ValueError"] * 4 and limit["all_to_alls"] == 0
+    assert "6 heads" in limit[0][1] and w.alive                      # caught on the ranks: the world stays up

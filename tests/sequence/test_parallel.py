@@ -139,10 +139,11 @@ def test_every_unmasked_pair_is_computed_once(world, layout, W):
         assert total == (S * (S + 1) // 2 if causal else S * S)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("W", [2, 3, 4])
+@pytest.mark.parametrize("W, dtype", [(W, dt) for dt in (torch.float32, torch.float64) for W in (2, 3, 4)]
+                         + [(3, torch.bfloat16)])
 def test_ring_bytes_forward_and_backward(world, W, dtype):
-    """Forward: (W−1)·2·(S/W)·H_kv·D·b per rank.  Backward: the same for K/V plus as much for dK/dV."""
+    """Forward: (W−1)·2·(S/W)·H_kv·D·b per rank.  Backward: the same for K/V, and the dK/dV accumulators at
+    float32 or wider (b_acc = max(b, 4)): 2× the forward in float32 and float64, 3× with bfloat16 K/V."""
     S, Hkv, D = 4 * W, SHAPE["heads_kv"], SHAPE["head_dim"]
     b = torch.tensor([], dtype=dtype).element_size()
     res = world(W).run(workers.ring_worker, S, "zigzag", True, **dict(SHAPE, dtype=dtype))
@@ -151,7 +152,8 @@ def test_ring_bytes_forward_and_backward(world, W, dtype):
     sends = res.trace.filter(op="send")
     assert sends.filter(phase="fwd").bytes_by_rank() == {r: fwd for r in range(W)}
     assert sends.filter(phase="bwd", what="kv").bytes_by_rank() == {r: fwd for r in range(W)}
-    assert sends.filter(phase="bwd", what="dkv").bytes_by_rank() == {r: fwd for r in range(W)}
+    assert sends.filter(phase="bwd", what="dkv").bytes_by_rank() == {r: fwd * max(b, 4) // b for r in range(W)}
+    assert sends.filter(phase="bwd").bytes_by_rank()[0] == (3 if dtype == torch.bfloat16 else 2) * fwd
     assert res.trace.bytes_by_rank(op="recv") == res.trace.bytes_by_rank(op="send")
 
 

@@ -93,3 +93,17 @@ def test_grader_names_the_classic_mistake(tmp_path, monkeypatch, mutant):
     failed = grade_mutant(tmp_path, monkeypatch, f"tensor_mutant_{mutant}", "tensor",
                           _correct_module() + "\n\n" + textwrap.dedent(body), ex_id, hidden=False)
     assert any(words in m for m in failed), failed
+
+
+def test_collectives_that_do_not_say_their_direction_get_it_from_the_backwards_start(world):
+    """A learner's f and g pass no direction=: the block-costs table still splits forward from backward."""
+    from dataclasses import replace
+
+    from reference.tensor.lecture import directed
+    from reference.tensor.workers import block_worker
+    from reference.trace import Trace
+    trace = world(2).run(block_worker, 2, True, 16, 2, 32, 4).trace
+    bare = Trace(replace(e, meta={k: v for k, v in e.meta.items() if k != "direction"}) for e in trace)
+    want = directed(trace, 2)
+    assert {c["direction"] for c in want} == {"forward", "backward"}
+    assert [c["direction"] for c in directed(bare, 2)] == [c["direction"] for c in want]

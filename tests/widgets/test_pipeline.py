@@ -235,5 +235,6 @@ def test_player_switches_runs_with_its_controls():
     pl.controls["clock"].value = "wall"
     assert pl.n_steps == 41 and pl.state_at(0).timeline.clock == "wall"
     assert pl.state_at(40).finished and pl.slider.max == 40
-    pl.slider.value = 20
+    pl.slider.value = 20                         # drawn off the kernel's message loop (Player._ask) ...
+    pl.show(20)                                  # ... show() returns once that frame is on screen
     assert pl.image.value[:4] == b"\x89PNG" and "t=" in pl.text.value and " ms:" in pl.text.value

@@ -21,6 +21,10 @@ def pid(_):
     return os.getpid()
 
 
+def parent_pid():
+    return os.getppid()
+
+
 def shout(word):
     print(f"{word} from rank {dist.get_rank()}")
     print(f"warning on rank {dist.get_rank()}", file=sys.stderr)

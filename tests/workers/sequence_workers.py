@@ -32,3 +32,18 @@ def roundtrip_worker(seq_len: int, heads: int = 4, seed: int = 0) -> dict:
     x = shard_sequence(make_inputs(seq_len, heads=heads, seed=seed)[0], r, W, "contiguous")
     mid = seq_to_heads(x)
     return {"x": x, "heads": mid, "back": heads_to_seq(mid)}
+
+
+def ring_forward_of(impl: str, seq_len: int, world_size: int, layout: str, causal: bool) -> dict | None:
+    """``impl``'s ring forward on ranks 0..world_size-1 of a bigger world (the trace is what the widget replays)."""
+    import importlib
+
+    from reference.sequence.layouts import positions
+    group, r = comm.first_ranks_group(world_size), comm.rank()
+    if r >= world_size:
+        return None
+    q, k, v, _ = make_inputs(seq_len)
+    out, _ = importlib.import_module(impl).ring_attention_forward(
+        *(shard_sequence(t, r, world_size, layout) for t in (q, k, v)), causal=causal, layout=layout, group=group)
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return {"max_error": float((out - full[..., positions(seq_len, r, world_size, layout), :]).abs().max())}

@@ -1,0 +1,309 @@
+"""Start ranks in a fraction of a second: fork them from a process that has imported torch once.
+
+A rank started as a fresh interpreter spends about a second of CPU importing torch, more on a busy
+machine; a world of N such ranks pays it N times at once, on two cores (lecture 0's worlds of 2, 3
+and 4 took 35 s to start).  The *zygote* pays it once per notebook: a plain interpreter, started on
+first use, that imports torch and ``torch.distributed`` and then does nothing but fork.  Each rank
+it forks begins with torch in memory (shared, copy-on-write) and goes straight to the rank program
+(:func:`reference.rank_program._rank_main`): the same process group, pipe, traces and errors as a
+spawned rank::
+
+    notebook kernel ──(one socket: "fork rank r" + the rank's end of its pipe)──▶ zygote
+         ▲                                                                          │ os.fork()
+         └──────────────── rank r's own pipe (results, output, status) ◀─────── rank r
+
+Why a separate process and not ``os.fork()`` of the caller: a fork copies one thread only, and a
+lock another thread held at that moment (a notebook kernel runs several) stays locked forever in
+the child.  The zygote is single-threaded — it checks ``/proc/self/task`` before every fork and
+refuses otherwise — and never runs torch code, so no OpenMP or intra-op thread pool exists to be
+broken by the fork (``OMP_NUM_THREADS=1`` keeps the BLAS import from starting one).  Each rank then
+sets its own thread count, environment, ``sys.path`` and working folder from the world that asked
+for it.  Ranks stay in the caller's process group, so an interrupt reaches them as it reaches
+spawned ranks; the zygote itself ignores it.
+
+The zygote dies with its caller (end of file on its socket, or a new parent) and takes its ranks
+with it.  :class:`reference.launch.World` uses it for gloo worlds on Linux unless
+``COURSE_FORK_RANKS=0``.  A forked rank inherits the zygote's allocator: a world that measures
+resident memory (``keep_freed_memory=False``) gets glibc's fixed thresholds set in each rank
+(:func:`reference.rank_program.malloc_settings_from_environment`); ``COURSE_KEEP_FREED_MEMORY=0``
+alone, which asks for glibc's own moving defaults, spawns fresh ranks.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing import connection as mpc
+from multiprocessing.reduction import recv_handle, send_handle
+
+__all__ = ["announce", "available", "fork_rank", "ForkedRank", "ZygoteUnavailable", "zygote_pid", "warm"]
+
+PRELOAD = ("torch", "torch.distributed")      # what every rank needs and costs seconds to import
+
+
+class ZygoteUnavailable(RuntimeError):
+    """The zygote could not fork a rank (it died, or refused); the caller spawns the rank instead."""
+
+
+def available() -> bool:
+    """Whether ranks may be forked here: Linux (fork, /proc), and not switched off."""
+    return sys.platform.startswith("linux") and os.environ.get("COURSE_FORK_RANKS", "1") != "0"
+
+
+# ----------------------------------------------------------------------------------------------
+# Inside the zygote
+
+
+def serve(fd: int) -> None:
+    """The zygote's life: import torch, then fork a rank for each request until the caller goes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)        # an interrupt is for the ranks, not for us
+    parent = os.getppid()
+    conn = mpc.Connection(fd)
+    for name in PRELOAD:
+        __import__(name)
+    wake_r, wake_w = os.pipe()                          # SIGCHLD writes here: a rank to reap
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: set[int] = set()
+    try:
+        while os.getppid() == parent:
+            ready, _, _ = select.select([conn.fileno(), wake_r], [], [], 1.0)
+            if wake_r in ready:
+                os.read(wake_r, 512)
+            _reap(children, conn)
+            if conn.fileno() not in ready:
+                continue
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "stop":
+                break
+            if msg[0] == "kill":
+                if msg[1] in children:
+                    os.kill(msg[1], signal.SIGKILL)
+                continue
+            _, rank, cfg, env, path, cwd = msg
+            rank_fd = recv_handle(conn)
+            threads = len(os.listdir("/proc/self/task"))
+            if threads != 1:
+                os.close(rank_fd)
+                conn.send(("refused", f"the zygote runs {threads} threads; forking it is not safe"))
+                continue
+            pid = os.fork()
+            if pid == 0:
+                _become_rank(rank, rank_fd, cfg, env, path, cwd)     # never returns
+            os.close(rank_fd)
+            children.add(pid)
+            conn.send(("pid", pid))
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    os._exit(0)
+
+
+def _reap(children: set[int], conn) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if not pid:
+            return
+        children.discard(pid)
+        try:
+            conn.send(("exit", pid, os.waitstatus_to_exitcode(status)))
+        except OSError:
+            return
+
+
+def _become_rank(rank: int, fd: int, cfg: dict, env: dict, path: list[str], cwd: str) -> None:
+    """In the forked child: drop the zygote's state, take the world's, run the rank program."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.closerange(3, fd)                            # nothing of the zygote's stays open in the rank
+        os.closerange(fd + 1, 65536)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:] = path
+        try:
+            os.chdir(cwd)
+        except OSError:
+            pass
+        from .rank_program import _rank_main, malloc_settings_from_environment
+        malloc_settings_from_environment()
+        _rank_main(rank, fd, dict(cfg, pdeathsig=True))   # the zygote has one thread: safe to tie to it
+        code = 0
+    finally:
+        os._exit(code)
+
+
+# ----------------------------------------------------------------------------------------------
+# In the caller
+
+
+class _Zygote:
+    """The caller's end: one zygote process, its socket, and the exit codes it reported."""
+
+    def __init__(self):
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(dict.fromkeys(p or os.getcwd() for p in sys.path)))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", f"from reference.zygote import serve; serve({theirs.fileno()})"],
+            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        theirs.close()
+        self.conn = mpc.Connection(ours.detach())
+        self.lock = threading.Lock()
+        self.exits: dict[int, int] = {}
+        self.owner = os.getpid()
+        self.warm = False                               # torch imported: a fork answered
+
+    def alive(self) -> bool:
+        return self.owner == os.getpid() and self.proc.poll() is None
+
+    def _read(self, timeout: float):
+        """One message, with ``exit`` reports filed away; None when ``timeout`` passed without one."""
+        if not self.conn.poll(timeout):
+            return None
+        msg = self.conn.recv()
+        if msg[0] == "exit":
+            self.exits[msg[1]] = msg[2]
+        return msg
+
+    def pump(self) -> None:
+        with self.lock:
+            try:
+                while self._read(0) is not None:
+                    pass
+            except (EOFError, OSError):
+                pass
+
+    def fork(self, rank: int, fd: int, cfg: dict, env: dict, timeout: float) -> int:
+        with self.lock:
+            try:
+                self.conn.send(("fork", rank, cfg, env, list(sys.path), os.getcwd()))
+                send_handle(self.conn, fd, self.proc.pid)
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    msg = self._read(min(1.0, max(0.0, deadline - time.monotonic())))
+                    if msg is None:
+                        if self.proc.poll() is not None:
+                            break
+                        continue
+                    if msg[0] == "pid":
+                        self.warm = True
+                        return msg[1]
+                    if msg[0] == "refused":
+                        raise ZygoteUnavailable(msg[1])
+            except (EOFError, OSError) as e:
+                raise ZygoteUnavailable(f"the zygote is gone ({e})") from None
+        raise ZygoteUnavailable(f"the zygote did not fork rank {rank} within {timeout:g} s")
+
+    def kill(self, pid: int) -> None:
+        with self.lock:
+            try:
+                self.conn.send(("kill", pid))
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except OSError:
+            pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.conn.close()
+
+
+_current: _Zygote | None = None
+_lock = threading.Lock()
+
+
+def _zygote() -> _Zygote:
+    global _current
+    with _lock:
+        if _current is None or not _current.alive():
+            _current = _Zygote()
+        return _current
+
+
+def zygote_pid() -> int | None:
+    """The zygote's process id, if this process has one running (tests tell it from a leftover rank)."""
+    z = _current
+    return z.proc.pid if z is not None and z.alive() else None
+
+
+def warm() -> bool:
+    """True once this process's zygote has torch imported (its next ranks start in milliseconds)."""
+    z = _current
+    return bool(z is not None and z.alive() and z.warm)
+
+
+def announce(world_size: int) -> None:
+    """Say, before the first world of this process starts, why it takes seconds and later ones do not."""
+    if not warm():
+        print(f"starting {world_size} rank{'s' if world_size > 1 else ''}: the first world imports torch once for "
+              "every rank to come (seconds); later worlds start in a fraction of a second", flush=True)
+
+
+@atexit.register
+def _stop() -> None:
+    if _current is not None and _current.owner == os.getpid():
+        _current.stop()
+
+
+class ForkedRank:
+    """The part of ``subprocess.Popen`` a :class:`reference.launch.World` uses, for a forked rank."""
+
+    def __init__(self, pid: int, zygote: _Zygote):
+        self.pid, self._zygote, self.returncode = pid, zygote, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            z = self._zygote
+            z.pump()
+            if self.pid in z.exits:
+                self.returncode = z.exits.pop(self.pid)
+            elif z.proc.poll() is not None:             # the zygote is gone, and its ranks with it
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.001
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            self._zygote.kill(self.pid)
+
+
+def fork_rank(rank: int, fd: int, cfg: dict, env: dict, timeout: float) -> ForkedRank:
+    """Fork rank ``rank`` of a world from the zygote (started on first use), on socket ``fd``.
+
+    ``env`` becomes the rank's environment.  Raises :class:`ZygoteUnavailable` if it cannot."""
+    z = _zygote()
+    return ForkedRank(z.fork(rank, fd, cfg, env, timeout), z)
