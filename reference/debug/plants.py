@@ -199,8 +199,8 @@ def _moe_aux_ep(model, opt, where, undo) -> None:
     aux_loss = moe._aux_loss
     c = model.grid.ep / (model.grid.dp * model.grid.cp)     # ÷ep where the aux loss's group has dp·cp ranks
 
-    def divided_by_ep(probs, expert_index):
-        return _ScaleGrad.apply(aux_loss(probs, expert_index), c)
+    def divided_by_ep(probs, expert_index, *args, **kwargs):
+        return _ScaleGrad.apply(aux_loss(probs, expert_index, *args, **kwargs), c)
     _set(moe, "_aux_loss", divided_by_ep, undo)
 
 
