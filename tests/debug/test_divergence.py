@@ -46,10 +46,11 @@ def test_composed_grids_of_four_ranks_match_one_process_and_the_balance_loss_bug
     moe = {"num_experts": 4, "top_k": 2, "moe_every": 2}
     cases = [dict(sizes={"dp": 2, "tp": 2}, **moe), dict(sizes={"pp": 2, "cp": 2}, num_microbatches=2),
              dict(sizes={"dp": 4, "ep": 2}, plant="moe_aux_ep", where={"layer": 1}, **moe)]
+    cases[2]["batch_size"] = 4                           # a row for each of the 4 dp ranks
     runs = record_many(cases, 4, world(4))
     assert first_divergence(runs[0], record_single("gpt", 2, **moe)) is None
     assert first_divergence(runs[1], record_single("gpt", 2)) is None
-    d = first_divergence(runs[2], record_single("gpt", 2, **moe))
+    d = first_divergence(runs[2], record_single("gpt", 2, batch_size=4, **moe))
     assert (d.step, d.phase, d.module, d.tensor, d.ranks) == (0, "backward", "blocks.1.mlp.moe.router", "grad_output",
                                                              [0, 1, 2, 3])
 
