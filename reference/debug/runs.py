@@ -27,8 +27,8 @@ from .. import comm
 from .recorder import Layout, Recorder, RecordingOptimizer
 from .records import Run
 
-__all__ = ["TINY", "BATCH", "MOE", "record_single", "record_grid", "record_parallel", "record_many", "merge", "watched_modules",
-           "BlockStack", "BLOCKS"]
+__all__ = ["TINY", "BATCH", "MOE", "record_single", "record_grid", "record_parallel", "record_many", "merge",
+           "watched_modules", "BlockStack", "BLOCKS"]
 
 # The recorded models are as small as every plant allows (two heads for tp 2, four tokens for cp 2's zigzag
 # chunks, a batch of two for dp 2): a run keeps every module's tensors of every step, and the student release
