@@ -170,7 +170,7 @@ if "5c.2" in EXERCISES:
 if "6.1" in EXERCISES:
     from .checks import debug as _debug
 
-    @hidden_check("6.1", "four-rank worlds: a pipeline of 4 stages (1 or 2 micro-batches), the odd one out of 4",
+    @hidden_check("6.1", "four-rank worlds: a pipeline of 4 stages and 1 micro-batch, the odd one out of 4",
                   points=2, timeout=120)
     def _(ctx):
         for kind, report in _debug._reports(ctx, big=True, kinds=("pipeline", "order")).items():

@@ -44,10 +44,11 @@ ACCUMULATE = exercise("6.3", "Fix the given run: gradient accumulation over padd
 def hang_cases(seed: int, big: bool = False) -> tuple:
     """One case of each kind (name, world size, ranks at fault, options), drawn from ``seed``: the faulty
     ranks, and the step of the run at which it hangs (``at``: 0-9 steps go well first); ``big``: four ranks
-    where a case allows it (hidden checks)."""
+    where a case allows it (hidden checks), the pipeline 4 stages with 1 micro-batch (with 2, stages 2 and 3 wait on
+    each other and none finishes: the report shows a cycle, p2p's signature)."""
     rng = random.Random(seed)
     W = 4 if big else 3
-    p, m = (4, rng.choice((1, 2))) if big else (3, 1)
+    p, m = (4, 1) if big else (3, 1)
     at = lambda: {"at": rng.randrange(10)}      # noqa: E731
     return (("order", W, (rng.randrange(W),), at()),
             ("skip", W, (rng.randrange(W),), at()),
