@@ -21,6 +21,9 @@ def ring_reduce_scatter(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
 
     tensor: any shape, same on every rank.  Returns the flat chunk ``(r + 1) mod N`` of
     ``sum_ranks(tensor).flatten()`` (chunks as :func:`chunk_bounds`).  Bytes sent: (N-1)/N · n.
+
+    Graded on: the full sum of chunk (r+1) mod N on every rank of 3, your input left unchanged, and — counted by the
+    grader, refused beyond — messages only to rank r+1, one chunk each, N−1 of them.
     """
     raise NotImplementedError(
         'Exercise 0.1 (ring_reduce_scatter): A ring all-reduce is a reduce-scatter (N-1 steps: send a chunk '
@@ -34,6 +37,10 @@ def ring_all_reduce(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
     tensor: any shape and dtype, the same shape on every rank; it is not modified.
     Returns a new tensor of the same shape holding ``sum_r tensor_r`` on every rank.
     Bytes sent per rank: 2·(N-1)/N · tensor.nbytes (exactly, when N divides numel).
+
+    Graded on: the sum on every rank (1–4 ranks, sizes N does not divide, values of 1e6, int64), your input left
+    unchanged, and — counted by the grader, refused beyond — messages only to rank r+1, one chunk each, 2·(N−1) of
+    them.
     """
     raise NotImplementedError(
         'Exercise 0.1 (ring_all_reduce): A ring all-reduce is a reduce-scatter (N-1 steps: send a chunk '
@@ -46,6 +53,9 @@ def ring_all_gather(chunk: torch.Tensor, numel: int, *, group=None) -> torch.Ten
 
     chunk: on rank r, flat chunk ``(r + 1) mod N`` — where a ring reduce-scatter leaves it.
     Returns the whole flat tensor (``numel`` elements) on every rank.  Bytes sent: (N-1)/N · n.
+
+    Graded on: the whole tensor on every rank (2–4 ranks, uneven chunks, float32), your chunk left unchanged, and —
+    counted by the grader, refused beyond — messages only to rank r+1, one chunk each, N−1 of them.
     """
     raise NotImplementedError(
         'Exercise 0.2 (ring_all_gather): An all-gather on a ring: each rank starts with one finished chunk '

@@ -34,6 +34,9 @@ def sync_gradients(model: ParallelGPT) -> None:
         model.grid                         the RankGrid (model.grid.dp, .cp, .tp, .ep, .edp, …)
 
     Parameters whose ``.grad`` is None are skipped (the same ones on every rank of a group).
+
+    Graded on: every gradient after your sync equal to one process's, on dp × cp, dp × tp with sequence parallelism,
+    and dp × cp × ep grids (and dp × pp, hidden).
     """
     raise NotImplementedError(
         'Exercise 5c.2 (sync_gradients): for each kind of parameter, ask which ranks hold the same tensor '
@@ -56,6 +59,8 @@ def step_bytes(sizes: dict[str, int], coords: dict[str, int], *, tokens: int, d_
     that move data (dp·cp > 1, cp > 1, pp > 1): the gradient all-reduce over the dp·cp ranks
     (a ring all-reduce), ring attention's K/V traffic forward and backward, and the pipeline's
     activations and gradients.  What every rank SENDS is counted, as ``measured_bytes`` does.
+
+    Graded on: the bytes per axis of ranks of real grids (dp × cp, dp × tp × pp, odd grids) and of random numbers.
     """
     raise NotImplementedError(
         'Exercise 5c.3 (step_bytes): one axis at a time — which collective or message does it use, how '

@@ -38,6 +38,9 @@ def all_reduce_gradients(parameters: Iterable[torch.Tensor], *, group=None) -> N
     all-reduce (a SUM, traced through ``comm.all_reduce``) per parameter, then a division by N
     (gloo's AVG is recent; sum-then-divide works on every backend).  Parameters whose ``.grad`` is
     None are skipped (the same ones on every rank).
+
+    Graded on: every .grad the mean over 2–4 ranks (magnitudes 1e6, float32), a missing .grad left None; each rank
+    is given its own gradients only.
     """
     raise NotImplementedError(
         'Exercise 3.1 (all_reduce_gradients): Every rank must end with the gradient of the MEAN loss over '
@@ -57,6 +60,8 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_bytes: int) -> list[li
     the cap gets a bucket of its own, and no bucket but such one exceeds the cap.
 
         sizes [3, 3, 3, 9, 1], cap 6   →   [[0, 1], [2], [3], [4]]
+
+    Graded on: the buckets of random sizes, dtypes and caps (in bytes; a parameter larger than the cap alone).
     """
     raise NotImplementedError(
         'Exercise 3.2 (assign_buckets): assign_buckets is one greedy pass in the given order, counting bytes;'
@@ -72,6 +77,11 @@ def grad_ready(buckets: list[Bucket], index: int, *, group=None) -> None:
     (stop at the first incomplete one): pack its gradients into one flat ``buffer`` and post
     ``comm.all_reduce_async(buffer, group=group, what="grads", bucket=b.index)`` — a SUM — keeping
     the pending handle in ``work``.  Do not wait here: backward goes on computing while it flies.
+
+    Graded on: DataParallel's gradients equal to one process's on the whole batch (2–4 ranks, tiny buckets, a
+    parameter unused on some ranks); overlap in values — once a bucket is complete its .grad are replaced, so only
+    an all-reduce posted from grad_ready carries the right ones — and every all-reduce you post, counted by the
+    grader as grad_ready returns.
     """
     raise NotImplementedError(
         'Exercise 3.2 (grad_ready): assign_buckets is one greedy pass in the given order, counting bytes; '
@@ -87,6 +97,9 @@ def finish_buckets(buckets: list[Bucket], *, group=None) -> None:
     this step: its gradient counts as zeros, so every rank still posts the same collectives and
     nobody hangs).  Then wait for each, divide by N, and copy its slices back into the ``.grad``
     of its parameters (creating ``.grad`` where it was None).  Reset ``ready``/``buffer``/``work``.
+
+    Graded on: DataParallel's gradients equal to one process's on the whole batch (2–4 ranks, tiny buckets, a
+    parameter unused on some ranks); each bucket reduced exactly once, counted by the grader.
     """
     raise NotImplementedError(
         'Exercise 3.2 (finish_buckets): assign_buckets is one greedy pass in the given order, counting bytes;'
@@ -113,6 +126,10 @@ def zero_step(params: list[torch.Tensor], shard: torch.Tensor, optimizer: torch.
                the params' ``.grad`` are set to None (only my shard of the gradient is kept).
     Then ``optimizer.step()`` updates ``shard`` in place, and an all-gather of every rank's shard
     (``comm.all_gather_into_tensor``) brings every rank the full updated parameters.
+
+    Graded on: the parameters after 1–3 steps equal to one process's (stages 1 and 2, 2–4 ranks, uneven shards, SGD
+    and AdamW); before your step the parameters outside this rank's shard hold garbage, so only a step that all-
+    gathers the owners' shards is right.
     """
     raise NotImplementedError(
         'Exercise 3.3 (zero_step): Reduce the flat gradient (stage 1 and stage 2 differ here), let the '
@@ -131,6 +148,9 @@ def gather_full_params(shard: torch.Tensor, *, group=None, layer: str | None = N
     One ``comm.all_gather_into_tensor`` (traced with ``what="params"``, ``layer=layer``,
     ``phase=phase``: "forward", "backward" or "state_dict").  The result is a new tensor; the
     caller takes views of it as the layer's weights and frees it after use.
+
+    Graded on: every rank's shard in rank order (3–4 ranks, float32), and FullyShardedDataParallel with your
+    collectives equal to one process.
     """
     raise NotImplementedError(
         "Exercise 3.4 (gather_full_params): gather_full_params: every rank's shard, in rank order (one all-"
@@ -143,6 +163,9 @@ def reduce_scatter_grad(flat_grad: torch.Tensor, *, group=None, layer: str | Non
 
     One ``comm.reduce_scatter_tensor`` with a SUM (traced, ``what="grads"``, ``layer=layer``), then
     ÷ N: rank r gets (1/N) Σ_q flat_grad_q[r·S:(r+1)·S].
+
+    Graded on: each rank's S elements of the MEAN gradient (3 ranks), and FullyShardedDataParallel with your
+    collectives equal to one process.
     """
     raise NotImplementedError(
         "Exercise 3.4 (reduce_scatter_grad): gather_full_params: every rank's shard, in rank order (one all-"

@@ -43,6 +43,9 @@ def top_k_gating(logits: torch.Tensor, k: int, capacity: int | None) -> dict[str
     Slot order: all first choices in token order, then all second choices, ...  The assignment
     (t, j) to expert e takes slot = number of assignments to e that come before it in the order
     (j=0, t=0), (j=0, t=1), ..., (j=0, t=T-1), (j=1, t=0), ...; it is kept if slot < capacity.
+
+    Graded on: probs, expert_index, weight, kept and slot for top-1 and top-2, with and without dropping, dropless,
+    float32 and bfloat16 logits.
     """
     raise NotImplementedError(
         'Exercise 5b.1 (top_k_gating): Softmax over ALL experts first (in router_dtype), then top-k. Slots: '
@@ -85,6 +88,9 @@ def load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor, num_exp
     gradients over the ranks (:func:`reference.moe.sync_moe_gradients`), which would weaken the
     loss to α/W: the expert-parallel layer therefore scales this gradient by W
     (:func:`reference.moe.parallel.mean_share`; lecture 5b, "the balance loss under data parallelism").
+
+    Graded on: the loss on 1–4 ranks with uneven token counts (every rank the whole batch's), uniform and collapsed
+    routers, and the gradient reaching each rank's own tokens only; each rank is given its own tokens only.
     """
     raise NotImplementedError(
         'Exercise 5b.2 (load_balancing_loss): E · Σ_i f_i · P_i with f from the counts of all k choices (a '
@@ -102,6 +108,9 @@ def dispatch(x: torch.Tensor, routing: dict, num_experts: int, capacity: int, gr
     x: (T, d) this rank's tokens; routing: from :func:`top_k_gating`.  Returns (E_local, W·C, d):
     for each of this rank's experts, C slots from each source rank in rank order (zeros where no
     token was assigned).
+
+    Graded on: the dispatched buffer on 1–4 ranks, and combine(experts(dispatch(x))) with its gradients w.r.t. x and
+    the combine weights equal to one process's.
     """
     raise NotImplementedError(
         'Exercise 5b.3 (dispatch): dispatch: put each kept assignment in a zero buffer of E·C rows at row e·C'
@@ -114,6 +123,9 @@ def combine(expert_out: torch.Tensor, routing: dict, num_experts: int, capacity:
 
     expert_out: (E_local, W·C, d) laid out as :func:`dispatch` returns.  Returns (T, d):
     ``y_t = Σ_j w_tj · out[e_tj, slot_tj]`` over kept assignments; dropped ones contribute 0.
+
+    Graded on: combine(experts(dispatch(x))) and its gradients w.r.t. x and the combine weights on 1–4 ranks, equal
+    to one process's.
     """
     raise NotImplementedError(
         'Exercise 5b.3 (combine): dispatch: put each kept assignment in a zero buffer of E·C rows at row e·C '
@@ -134,6 +146,8 @@ def sync_moe_gradients(dense_params: Iterable[torch.Tensor], expert_params: Iter
     expert_params: this rank's experts; their ``.grad`` are summed over ``expert_dp_group`` (the
     ranks holding the same experts) and divided by N as well — not by the expert-dp size.
     Parameters without a gradient are skipped (the same ones on every rank).
+
+    Graded on: the dense and expert gradients after your sync on 4 ranks with EP = 1, 2 and 4.
     """
     raise NotImplementedError(
         "Exercise 5b.4 (sync_moe_gradients): The objective is the mean of the ranks' losses. Dense parameters"

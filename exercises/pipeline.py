@@ -33,6 +33,9 @@ def one_f_one_b(num_stages: int, num_microbatches: int, stage: int) -> list[Acti
     Warm-up: min(m, p − stage − 1) forwards.  Steady state: one forward, then one backward (the
     oldest micro-batch in flight), until every forward has run.  Cool-down: the backwards left.
     Stage s thus holds at most p − s micro-batches' activations at once.
+
+    Graded on: every stage's order for up to 24 stages and 6p micro-batches drawn at random, m = p and one stage,
+    and the order run on 3 real ranks.
     """
     raise NotImplementedError(
         'Exercise 4.4 (one_f_one_b): Stage s must have sent some forwards down the pipe before the first '
@@ -54,6 +57,9 @@ def forward_step(module: nn.Module, microbatch: int, link: Link, stash: dict, *,
     y = module(x).  Last stage: loss = loss_fn(y, target) / num_microbatches, stash (x, loss),
     return loss.detach().  Other stages: send y (detached) to the next stage, stash (x, y),
     return None.  ``stash`` maps micro-batch → what :func:`backward_step` needs.
+
+    Graded on: the loss and every gradient of real pipelines (GPipe, 1F1B) equal to one process's, and the messages
+    your steps send, recorded by the grader's own Link.
     """
     raise NotImplementedError(
         'Exercise 4.5 (forward_step): The first stage reads inputs, the others link.recv_activation(microbatch); '
@@ -64,7 +70,11 @@ def forward_step(module: nn.Module, microbatch: int, link: Link, stash: dict, *,
 def backward_step(microbatch: int, link: Link, stash: dict) -> None:
     """B of one micro-batch on one stage: take (x, y) out of the stash (freeing it), backprop the
     gradient received from the next stage (last stage: y is the loss, its own gradient is 1) —
-    parameters' ``.grad`` accumulate — and send x's gradient to the stage before (if any)."""
+    parameters' ``.grad`` accumulate — and send x's gradient to the stage before (if any).
+
+    Graded on: the loss and every gradient of real pipelines (GPipe, 1F1B) equal to one process's, and the messages
+    your steps send, recorded by the grader's own Link.
+    """
     raise NotImplementedError(
         'Exercise 4.5 (backward_step): The mirror image of forward_step: what comes in is a gradient from the '
         'next stage (none on the last stage: there y is the loss), what goes out is the gradient of this stage\'s '
@@ -84,6 +94,9 @@ def bubble_fraction(name: str, num_stages: int, num_microbatches: int, *, virtua
     derives each case).  Raises ValueError for what :func:`schedule` refuses: an unknown name;
     p, m or v not an integer ≥ 1; interleaved_1f1b with v < 2 or m not a multiple of p; v ≠ 1
     with any other schedule; 1f1b or zb_h1 with m < p.
+
+    Graded on: the bubble of GPipe, 1F1B and interleaved 1F1B for up to thousands of stages and millions of micro-
+    batches (only a formula finishes in time), and ValueError for impossible sizes.
     """
     raise NotImplementedError(
         'Exercise 4.6 (bubble_fraction): Count in slots. While the first micro-batch travels down and the last '

@@ -41,6 +41,9 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
 
     A side with lse = −inf (the row saw no key there) gets weight 0; if both are −inf the result
     is out 0, lse −inf.  Returns new tensors (out in the promoted dtype of the inputs).
+
+    Graded on: (out, lse) against float64 attention over both blocks, with logits ×4 and ×30 and sides that saw no
+    key.
     """
     raise NotImplementedError(
         "Exercise 5a.1 (merge_attention): Each side's weight is its share of the softmax mass, e^{lse_a} / "
@@ -53,6 +56,9 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, layout: str, dim
 
     x: e.g. (batch, heads, S, head_dim) with ``dim=-2``.  Returns the same shape with S/W along ``dim``.
     Raises ValueError if S is not a multiple of the layout's number of chunks.
+
+    Graded on: every layout's shards on 1–4 ranks along dim −2 and 1, bitwise, your input left unchanged, and
+    ValueError for lengths the layout cannot split.
     """
     raise NotImplementedError(
         'Exercise 5a.2 (shard_sequence): Draw the three layouts for L = 8, W = 2 (the pictures are in '
@@ -61,7 +67,10 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, layout: str, dim
 
 
 def unshard_sequence(shards: list[torch.Tensor], layout: str, dim: int = -2) -> torch.Tensor:
-    """Inverse of :func:`shard_sequence`: ``shards[r]`` is rank r's shard; returns the full tensor."""
+    """Inverse of :func:`shard_sequence`: ``shards[r]`` is rank r's shard; returns the full tensor.
+
+    Graded on: every layout put back together on 1–4 ranks, bitwise.
+    """
     raise NotImplementedError(
         'Exercise 5a.2 (unshard_sequence): Draw the three layouts for L = 8, W = 2 (the pictures are in '
         "reference/sequence/layouts.py's docstring): which global token positions does each rank hold, in "
@@ -78,15 +87,20 @@ def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     equal to rows ``positions(S, r, W, layout)`` of full attention.  ``kernel``: "fused" or
     "explicit" block kernel.  Every rank of ``group`` must call it with the same shapes.
 
-    Which rows of the held block a step computes, and with which mask, is
-    ``block_plan(r, j, W, layout, causal, n)`` (given): a list of kernel calls, empty for a
-    fully masked block.
+    The given ``block_plan(r, j, W, layout, causal, n)`` (``reference.sequence.ring``) plans the block of
+    rank j's K/V: the kernel calls to make — which rows of the local Q and of the held K/V, with the causal
+    mask or not — and an empty list when the whole block is masked (skip it).
+
+    Graded on: (out, lse) against float64 full attention on 1–4 ranks (every layout, causal and not, logits ×30,
+    float32); your inputs left unchanged; messages only to rank r+1, at most one K/V block each, 2·(W−1) of them
+    (counted by the grader and refused beyond); and the memory a rank holds on 12 ranks (capped by the grader: a
+    ring fits, a rank holding every rank's K/V does not).
     """
     raise NotImplementedError(
         'Exercise 5a.3 (ring_attention_forward): At step s rank r holds the K/V block of rank (r - s) mod W; '
         'K/V move one rank forward per step, queries never move. Post the next hop before computing the '
-        'current block, and merge each block into a running (out, lse) with your 5a.1. More help: '
-        'hint("5a.3").')
+        'current block, and merge each block into a running (out, lse) with your 5a.1. With causal=True, the '
+        'given block_plan says what part of each block to compute. More help: hint("5a.3").')
 
 
 def seq_to_heads(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -94,6 +108,9 @@ def seq_to_heads(x: torch.Tensor, group=None) -> torch.Tensor:
 
     Rank r gets heads [r·H/W, (r+1)·H/W) of all S tokens (token chunks in rank order).
     Differentiable (its backward is :func:`heads_to_seq`).  H not divisible by W → ValueError.
+
+    Graded on: exact slices on 2 and 4 ranks, the round trip bitwise, your input left unchanged, and ValueError on
+    every rank (before any message) when the heads do not divide.
     """
     raise NotImplementedError(
         'Exercise 5a.4 (seq_to_heads): Before: every rank has all H heads of its n = L/W tokens. After: every'
@@ -102,7 +119,10 @@ def seq_to_heads(x: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def heads_to_seq(x: torch.Tensor, group=None) -> torch.Tensor:
-    """(B, H/W, S, D) head-sharded → (B, H, S/W, D) sequence-sharded: the inverse of :func:`seq_to_heads`."""
+    """(B, H/W, S, D) head-sharded → (B, H, S/W, D) sequence-sharded: the inverse of :func:`seq_to_heads`.
+
+    Graded on: exact slices on 2 and 4 ranks, the round trip bitwise, and your input left unchanged.
+    """
     raise NotImplementedError(
         'Exercise 5a.4 (heads_to_seq): Before: every rank has all H heads of its n = L/W tokens. After: every'
         ' rank has H/W heads of all L tokens. One all-to-all does it: slice w of what a rank sends goes to '
@@ -144,6 +164,11 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     with bfloat16 K/V (b = 2, b_acc = 4).  Blocks are planned as in the forward
     (:func:`block_plan`: causal layouts skip masked blocks); compute events are traced with
     ``what="attn_bwd"``, messages with ``phase="bwd"``.
+
+    Graded on: (dq, dk, dv) against float64 autograd of full attention on 1–4 ranks (every layout, causal and not,
+    odd lengths, scores ±50, float32, fewer K/V heads); your inputs left unchanged; messages only to rank r+1, at
+    most one K/V or dK/dV block each, 4·(W−1) of them (counted by the grader and refused beyond); and the memory a
+    rank holds on 12 ranks (capped by the grader).
     """
     raise NotImplementedError(
         "Exercise 5a.5 (ring_attention_backward): Q, dO, O and lse stay on their rank; K/V go round the ring "

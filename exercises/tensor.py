@@ -38,6 +38,8 @@ def copy_to_tensor_region(x: torch.Tensor, group=None, **meta) -> torch.Tensor:
     x: a replicated activation (the same on every rank), any shape.  Returns x (a view) whose
     gradient is summed over the ranks on the way back: ∂L/∂x = Σ_r ∂L_r/∂x.  ``meta`` goes into
     the trace event of the backward all-reduce (with ``operator="f"``, ``direction="backward"``).
+
+    Graded on: the forward value and the input gradient on 2–4 ranks (an autograd graph that reaches x).
     """
     raise NotImplementedError(
         "Exercise 4.1 (copy_to_tensor_region): f is the identity going forward, g sums the ranks' partial "
@@ -51,6 +53,8 @@ def reduce_from_tensor_region(x: torch.Tensor, group=None, **meta) -> torch.Tens
     x: this rank's partial result, any shape (the same shape on every rank).  Returns Σ_r x_r, the
     same on every rank; the gradient passes back unchanged to every rank's partial.  ``meta`` goes
     into the trace event of the forward all-reduce (with ``operator="g"``, ``direction="forward"``).
+
+    Graded on: the forward value and the input gradient on 2–4 ranks (an autograd graph that reaches x).
     """
     raise NotImplementedError(
         "Exercise 4.1 (reduce_from_tensor_region): f is the identity going forward, g sums the ranks' "
@@ -69,6 +73,8 @@ def linear_shard(weight: torch.Tensor, bias: torch.Tensor | None, style: str, gr
     style "row":    columns ``r·in/W … (r+1)·in/W`` of the weight; the WHOLE bias (added once,
                     after the all-reduce).  Returns ``(weight_shard, bias_or_None)``, new tensors.
     ValueError (on every rank, nothing sent) if the cut dimension does not divide by W.
+
+    Graded on: the column and row shards of a weight and bias on 2 and 3 ranks, bitwise.
     """
     raise NotImplementedError(
         'Exercise 4.2 (linear_shard): nn.Linear stores weight as (out, in): one style cuts the output '
@@ -86,6 +92,9 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     Returns (..., out/W), or (..., out) replicated with ``gather_output``.
     x enters the region through ``f`` (copy_to_tensor_region), so its gradient is summed over ranks.
     ``meta`` (e.g. ``layer="mlp.fc1"``) goes into the trace of every collective.
+
+    Graded on: a parallel MLP's output and every gradient equal to one process's (2–4 ranks, float32 inputs ×30);
+    each rank is given its own slices only.
     """
     raise NotImplementedError(
         'Exercise 4.2 (column_parallel_linear): nn.Linear stores weight as (out, in): one style cuts the '
@@ -103,6 +112,9 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     Returns (..., out) replicated: the partial products summed by ``g`` (reduce_from_tensor_region),
     THEN the bias added once.  With ``sequence_parallel`` the sum is a reduce-scatter along dim 0
     and the result is this rank's sequence shard (S/W, ..., out).
+
+    Graded on: a parallel MLP's output and every gradient equal to one process's (2–4 ranks, float32 inputs ×30);
+    each rank is given its own slices only.
     """
     raise NotImplementedError(
         'Exercise 4.2 (row_parallel_linear): nn.Linear stores weight as (out, in): one style cuts the '
@@ -125,6 +137,9 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     reduction="none")`` (0 where ignored), differentiable in ``logits_shard``.
     Three all-reduces of ``tokens`` numbers each — max, sum of exponentials, target logit — and
     none of vocabulary size; the backward sends nothing: grad = (softmax - one_hot(target)) · dℓ.
+
+    Graded on: the per-token loss and the gradient of your shard equal to one process's (2–4 ranks, logits ×30,
+    targets on shard edges, ignored targets); an all-reduce here may carry a few numbers per token, no more.
     """
     raise NotImplementedError(
         'Exercise 4.3 (vocab_parallel_cross_entropy): Never gather the V logits. Which three numbers per '

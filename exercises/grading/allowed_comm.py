@@ -80,8 +80,10 @@ STORE_METHODS = ("set", "get", "add", "compare_set", "append", "multi_get", "mul
 WHAT = {"p2p": "point-to-point messages (send/recv, comm.exchange)", "all_to_all": "the all-to-all",
         "all_reduce": "the all-reduce", "all_gather": "the all-gather", "reduce_scatter": "the reduce-scatter",
         "broadcast": "the broadcast", "functional": "functional collectives (DTensor's)"}
-# families whose main operator has a checked kernel: (operator, Backend method it calls)
-CHECKED = {"all_reduce": ("c10d::allreduce_", "allreduce"), "broadcast": ("c10d::broadcast_", "broadcast")}
+# operators with a checked kernel: operator -> (family, the Backend method it calls)
+CHECKED_OPS = {"c10d::allreduce_": ("all_reduce", "allreduce"), "c10d::broadcast_": ("broadcast", "broadcast"),
+               "c10d::send": ("p2p", "send"), "c10d::recv_": ("p2p", "recv")}
+CHECKED = sorted({fam for fam, _ in CHECKED_OPS.values()})
 
 _installed: set[str] = set()
 
@@ -98,23 +100,31 @@ def _keys(op: str) -> list[str]:
 
 
 def allow_only(allowed: Iterable[str], exercise: str, *, limits: Mapping[str, int] | None = None,
-               driver: Sequence[str] = (), driver_modules: Sequence[str] = ()) -> None:
+               driver: Sequence[str] = (), driver_modules: Sequence[str] = (), ring: bool = False,
+               counted: Sequence[str] = (), referee_fd: int | None = None) -> None:
     """Switch off every communication family not in ``allowed`` in this process (a rank).
 
     ``limits`` caps the elements of one call of a checked family; ``driver`` lists families the
     code of ``driver_modules`` may use although the learner's may not (see the module docstring).
+    ``ring``: point-to-point messages go round the world's ring only — a send to rank r+1, a
+    receive from rank r−1 (mod W), on the world group — and every send waits for the grader's
+    verdict on its size (``referee_fd``: :mod:`exercises.grading.referee`).  ``counted``: families
+    whose every call is reported to the referee (3.2: when each bucket's all-reduce was posted).
     Idempotent (the first call decides); call it before the learner's module is imported.
     ``barrier`` always stays.
     """
     import torch
     import torch.distributed  # noqa: F401  (registers the operators)
     allowed, limits, driver = set(allowed), dict(limits or {}), set(driver) - set(allowed)
+    counted = set(counted)
     if _installed:
         return
     _installed.update(allowed or {"-"})
-    bad = [f for f in list(limits) + list(driver) if f not in CHECKED]
+    bad = [f for f in list(limits) + list(driver) + list(counted) if f not in CHECKED]
     if bad:
-        raise ValueError(f"no checked kernel for {bad}; limits and driver exemptions exist for {sorted(CHECKED)}")
+        raise ValueError(f"no checked kernel for {bad}; limits, counts and driver exemptions exist for {CHECKED}")
+    if ring and "p2p" not in allowed:
+        raise ValueError("ring=True rules point-to-point messages: allow 'p2p'")
     said = " and ".join(WHAT.get(a, a) for a in sorted(allowed)) or "no communication"
 
     def refusal(op: str, why: str = "") -> str:
@@ -130,19 +140,22 @@ def allow_only(allowed: Iterable[str], exercise: str, *, limits: Mapping[str, in
         return kernel
 
     C = torch._C._distributed_c10d
-    checked = {fam: _checked_kernel(fam, op, _take(C.Backend, method), limits.get(fam), fam in driver,
-                                    _code_of(driver_modules), refusal)
-               for fam, (op, method) in CHECKED.items() if fam in limits or fam in driver}
+    checked_families = {fam for fam in CHECKED if fam in limits or fam in driver or fam in counted
+                        or (fam == "p2p" and ring)}
+    driver_code = _code_of(driver_modules)
+    checked = {op: _checked_kernel(op, fam, _take(C.Backend, method), limits.get(fam), fam in driver, driver_code,
+                                   fam in counted, ring, referee_fd, exercise, refusal)
+               for op, (fam, method) in CHECKED_OPS.items() if fam in checked_families}
     schemas = {s.name for s in torch._C._jit_get_all_schemas()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for fam, ops in FAMILIES.items():
-            if fam in allowed and fam not in checked:
+            if fam in allowed and fam not in checked_families:
                 continue
             for op in ops:
                 if op not in schemas:
                     continue
-                kernel = checked[fam] if fam in checked and op == CHECKED[fam][0] else deny_kernel(op)
+                kernel = checked.get(op) or deny_kernel(op)
                 ns, name = op.split("::")
                 frag = torch._C._dispatch_library("IMPL", ns, "")
                 for key in _keys(op):
@@ -156,7 +169,7 @@ def allow_only(allowed: Iterable[str], exercise: str, *, limits: Mapping[str, in
     for cls in classes:
         if issubclass(cls, C.Backend):
             for fam in BACKEND_METHODS:
-                if fam in allowed and fam not in checked:
+                if fam in allowed and fam not in checked_families:
                     continue
                 for m in BACKEND_METHODS[fam]:
                     if m in cls.__dict__:
@@ -178,62 +191,152 @@ def allow_only(allowed: Iterable[str], exercise: str, *, limits: Mapping[str, in
 
 _CHECKED_SRC = """
 def _is_driver():
-    f = sys._getframe(3)
+    f = GETFRAME(3)
     while f is not None:
-        name = os.path.abspath(f.f_code.co_filename)
+        name = f.f_code.co_filename
         if not (name.startswith(TORCH_DIR) or name in SKIP_FILES):
             return f.f_code in DRIVER_CODE
         f = f.f_back
     return False
 
 
+def _read(n):
+    data = b""
+    while len(data) < n:
+        chunk = READ(REFEREE_FD, n - len(data))
+        if not chunk:
+            raise OSError("the referee is gone")
+        data += chunk
+    return data
+
+
+def _tell(op, peer, n, nbytes, wait):
+    # one frame to the grader's referee; a send waits for its verdict on the size
+    if REFEREE_FD is None:
+        return
+    message = None
+    with LOCK:
+        try:
+            WRITE(REFEREE_FD, PACK(op, peer, n, nbytes))
+            if wait and _read(1) != OK:
+                message = _read(UNPACK_LEN(_read(2))[0]).decode()
+        except OSError:
+            message = REFEREE_GONE
+    if message is not None:
+        raise RuntimeError(message)
+
+
+def _elements(tensors):
+    n = nbytes = 0
+    for t in tensors:
+        k = NUMEL(t)
+        n += k
+        nbytes += k * ELEMENT_SIZE(t)
+    return n, nbytes
+
+
 def kernel(tensors, process_group, *rest):
+    tensors = list(tensors)
+    pg = UNBOX(process_group)
+    n, nbytes = _elements(tensors)
+    if FAMILY == "p2p":
+        peer, tag = rest[0], rest[1]
+        if RING:
+            if pg is not WORLD:
+                raise RuntimeError(NOT_WORLD)
+            if peer != (NEXT if SEND else PREV):
+                backwards = peer == (PREV if SEND else NEXT)
+                raise RuntimeError(WRONG_PEER.format(peer=peer, why=BACKWARDS if backwards else ""))
+            if SEND:
+                _tell(OP_SEND, peer, n, nbytes, True)
+        backend = GET_BACKEND(pg, DEVICE(tensors[0]))
+        run = CAST(BACKEND_METHOD, PY_OBJECT).value
+        return BOXED(run(backend, tensors, peer, tag))
     if DRIVER_ONLY and not _is_driver():
         raise RuntimeError(REFUSED)
-    n = sum(t.numel() for t in tensors)
     if LIMIT is not None and n > LIMIT:
         raise RuntimeError(OVER_LIMIT.format(n=n))
-    backend = C.ProcessGroup.unbox(process_group)._get_backend(tensors[0].device)
+    backend = GET_BACKEND(pg, DEVICE(tensors[0]))
     if FAMILY == "all_reduce":
         reduce_op, _sparse, _async, timeout = list(rest) + [None, None, True, -1][len(rest):]
-        opts = C.AllreduceOptions()
-        opts.reduceOp = C.ReduceOp(C.ReduceOp.RedOpType(reduce_op.op()))
+        opts = ALLREDUCE_OPTIONS()
+        opts.reduceOp = REDUCE_OP(RED_OP_TYPE(reduce_op.op()))
     else:
         root_rank, root_tensor, _async, timeout = list(rest) + [0, 0, True, -1][len(rest):]
-        opts = C.BroadcastOptions()
+        opts = BROADCAST_OPTIONS()
         opts.rootRank, opts.rootTensor = root_rank, root_tensor
     if timeout is not None and timeout > 0:
-        opts.timeout = datetime.timedelta(milliseconds=timeout)
-    run = ctypes.cast(BACKEND_METHOD, ctypes.py_object).value
-    return list(tensors), run(backend, list(tensors), opts).boxed()
+        opts.timeout = TIMEDELTA(milliseconds=timeout)
+    if COUNT:
+        _tell(OP_POST, -1, n, nbytes, False)
+    run = CAST(BACKEND_METHOD, PY_OBJECT).value
+    return tensors, BOXED(run(backend, tensors, opts))
 """
 
 
-def _checked_kernel(family: str, op: str, backend_method: int, limit: int | None, driver_only: bool,
-                    driver_code: frozenset, refusal):
+def _checked_kernel(op: str, family: str, backend_method: int, limit: int | None, driver_only: bool,
+                    driver_code: frozenset, count: bool, ring: bool, referee_fd: int | None, exercise: str,
+                    refusal):
     """The kernel of ``op``: refuse a call over ``limit`` elements, or (``driver_only``) one whose
-    caller is not the given driver; otherwise run it on the tensors' backend.
+    caller is not the given driver; for point-to-point messages under ``ring``, one to another
+    rank than the ring's neighbour or on another group than the world's, and a send whose size the
+    referee refuses; report a ``count``-ed call to the referee; otherwise run it on the backend.
 
     Made from source into a namespace of its own that only the dispatcher can reach: the function,
-    its helper and their globals are off the garbage collector's lists and never freed, and the
-    backend method it calls is held by address (``backend_method``), so no Python object a
-    submission can find leads to the unchecked call."""
+    its helpers and their globals are off the garbage collector's lists and never freed; what they
+    call — builtins, tensor sizes, the backend lookup, the backend method itself (held by address,
+    ``backend_method``) — was taken into that namespace here, so no Python object a submission can
+    find or rebind leads to an unchecked call."""
+    import _thread
+    import builtins
+    import ctypes
     import datetime
+    import struct
 
     import torch
+    import torch.distributed as dist
 
     from reference import comm, launch, rank_program, trace
-    runtime = {os.path.abspath(m.__file__) for m in (comm, launch, rank_program, trace)}
-    g = {"__builtins__": __builtins__, "C": torch._C._distributed_c10d, "ctypes": ctypes, "datetime": datetime,
-         "os": os, "sys": sys, "TORCH_DIR": os.path.dirname(os.path.abspath(torch.__file__)),
-         "SKIP_FILES": frozenset(runtime | {os.path.abspath(__file__)}),
-         "DRIVER_CODE": driver_code, "DRIVER_ONLY": driver_only, "LIMIT": limit, "FAMILY": family,
-         "BACKEND_METHOD": backend_method, "REFUSED": refusal(op),
+
+    from . import referee
+    C = torch._C._distributed_c10d
+    runtime = set()
+    for m in (comm, launch, rank_program, trace, sys.modules[__name__]):
+        runtime |= {m.__file__, os.path.abspath(m.__file__)}
+    world = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    me, size = (world.rank(), world.size()) if world is not None else (0, 1)
+    short = op.split("::")[1].rstrip("_")
+    g = {"__builtins__": dict(vars(builtins)),          # a copy: rebinding a builtin later changes nothing here
+         "GETFRAME": sys._getframe, "TORCH_DIR": os.path.dirname(torch.__file__),
+         "SKIP_FILES": frozenset(runtime), "DRIVER_CODE": driver_code, "DRIVER_ONLY": driver_only, "LIMIT": limit,
+         "FAMILY": family, "COUNT": count, "RING": ring, "SEND": op == "c10d::send", "WORLD": world,
+         "NEXT": (me + 1) % size, "PREV": (me - 1) % size,
+         "BACKEND_METHOD": backend_method, "CAST": ctypes.cast, "PY_OBJECT": ctypes.py_object,
+         "UNBOX": C.ProcessGroup.unbox, "GET_BACKEND": C.ProcessGroup._get_backend, "BOXED": C.Work.boxed,
+         "DEVICE": torch._C.TensorBase.device.__get__, "NUMEL": torch._C.TensorBase.numel,
+         "ELEMENT_SIZE": torch._C.TensorBase.element_size, "ALLREDUCE_OPTIONS": C.AllreduceOptions,
+         "BROADCAST_OPTIONS": C.BroadcastOptions, "REDUCE_OP": C.ReduceOp, "RED_OP_TYPE": C.ReduceOp.RedOpType,
+         "TIMEDELTA": datetime.timedelta, "LOCK": _thread.allocate_lock(),
+         "REFEREE_FD": referee_fd, "READ": os.read, "WRITE": os.write, "PACK": referee.FRAME.pack,
+         "UNPACK_LEN": struct.Struct("<H").unpack, "OK": referee.OK, "OP_SEND": referee.SEND,
+         "OP_POST": referee.POST,
+         "REFUSED": refusal(op),
+         "REFEREE_GONE": f"{short} refused in exercise {exercise}: the grader's check of this message is gone "
+                         "(the grading run was stopped).",
+         "NOT_WORLD": f"{short} is allowed in exercise {exercise} only on the world's ring (group=None): a "
+                      "message on another process group is refused while it is graded.",
+         "WRONG_PEER": (f"{short} {'to' if op == 'c10d::send' else 'from'} rank {{peer}} is refused in exercise "
+                        f"{exercise}: on this ring rank {me} sends only to rank {(me + 1) % size} (r+1) and "
+                        f"receives only from rank {(me - 1) % size} (r−1) — comm.ring_peers() gives (next, "
+                        "prev).{why} The exercise is the ring itself, so its messages are enforced while it is "
+                        "graded."),
+         "BACKWARDS": (" Sending to r−1 (or receiving from r+1) runs the ring the other way round: everything on "
+                       "this ring travels from r to r+1."),
          "OVER_LIMIT": refusal(op, f"; an all-reduce here carries at most {limit} elements (yours: {{n}}): a few "
                                    "numbers per token, never the vocabulary's logits — gathering them through an "
                                    "all-reduce is a gather all the same")}
     exec(compile(_CHECKED_SRC, f"<grader: {op} checked in this exercise>", "exec"), g)
-    for obj in (g["kernel"], g["_is_driver"], g):
+    for obj in (g["kernel"], g["_is_driver"], g["_tell"], g["_read"], g["_elements"], g["__builtins__"], g):
         _keep(obj)
         _untrack(obj)
     return g["kernel"]

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 from . import feedback as fb
+from .frozen import NOTEBOOK_PLUMBING
+from .outcomes import CheckFailed, CheckTimedOut, MachineBusy, SetupError, raise_on_error  # noqa: F401  (re-exported)
 
 # ----------------------------------------------------------------------------------------------
 # Registry
@@ -70,6 +72,14 @@ class Exercise:
     shortcuts: tuple[str, ...] = ()
     # ... and given functions that compute the answer by another road ("module:qualname").
     mirrors: tuple[str, ...] = ()
+    # Where the messages ARE the exercise: point-to-point only round the world's ring (r → r+1), each
+    # send judged by the referee under the call's rules (exercises.grading.referee) ...
+    ring: bool = False
+    # ... families whose every post the referee logs (3.2: when each bucket's all-reduce left) ...
+    counted: tuple[str, ...] = ()
+    # ... and given code run on a graded function's arguments just before the learner's function
+    # gets them ({function name: "module:harness"}; 3.3: the parameters outside the shard garbled).
+    before: dict[str, str] = field(default_factory=dict)
 
     @property
     def points(self) -> float:
@@ -78,9 +88,14 @@ class Exercise:
     def lockdown(self) -> dict:
         """What the runner and every rank apply before the learner's module is imported (plain
         values: the runner receives them pickled)."""
+        before = {}
+        for name, hook in self.before.items():
+            fn = reference_function(self, name)
+            before[f"{fn.__module__}:{fn.__qualname__}"] = hook
         return {"exercise": self.id, "comm": self.comm, "limits": dict(self.limits),
                 "driver_comm": tuple(self.driver_comm), "shortcuts": tuple(self.shortcuts),
-                "mirrors": tuple(self.mirrors)}
+                "mirrors": tuple(self.mirrors), "ring": self.ring, "counted": tuple(self.counted),
+                "before": before}
 
     def check(self, name: str, points: float = 1.0, timeout: float = 60.0, hidden: bool = False,
               requires_value: bool = False):
@@ -103,14 +118,16 @@ HIDDEN_MODULES = ["exercises.grading.hidden"]   # teachers' checks; left out of 
 
 def exercise(id: str, title: str, module: str, functions: Sequence[str], *,
              comm: Sequence[str] | None = None, limits: dict[str, int] | None = None,
-             driver_comm: Sequence[str] = (), shortcuts: Sequence[str] = (), mirrors: Sequence[str] = ()) -> Exercise:
+             driver_comm: Sequence[str] = (), shortcuts: Sequence[str] = (), mirrors: Sequence[str] = (),
+             ring: bool = False, counted: Sequence[str] = (), before: dict[str, str] | None = None) -> Exercise:
     """Register an exercise: its id, title, learner module and the functions it asks for, and
     what the learner must write themselves (see :class:`Exercise`)."""
     if id in EXERCISES:
         return EXERCISES[id]
     EXERCISES[id] = ex = Exercise(id, title, module, list(functions), comm=None if comm is None else tuple(comm),
                                   limits=dict(limits or {}), driver_comm=tuple(driver_comm),
-                                  shortcuts=tuple(shortcuts), mirrors=tuple(mirrors))
+                                  shortcuts=tuple(shortcuts), mirrors=tuple(mirrors), ring=ring,
+                                  counted=tuple(counted), before=dict(before or {}))
     return ex
 
 
@@ -135,21 +152,8 @@ def exercise_order(ex_id: str) -> list[tuple[int, Any]]:
 # ----------------------------------------------------------------------------------------------
 # Outcomes
 
-START_ALLOWANCE = 30.0   # seconds a runner may take to start its ranks, on top of a check's limit
-
-
-class CheckFailed(Exception):
-    """Raised inside a check to fail it with a message for the learner."""
-
-
-class CheckTimedOut(CheckFailed):
-    """The learner's code ran out of time (its runner was killed): the exercise's remaining checks
-    are skipped, so that a submission that hangs everywhere costs one time limit, not one per check."""
-
-
-class SetupError(RuntimeError):
-    """The grader cannot run here at all (e.g. ``GRADER_RUN_AS`` cannot reach the interpreter); the
-    message says what to change.  Raised before any check runs."""
+START_ALLOWANCE = 30.0   # seconds a runner may take to start (or to start its ranks) on the course's machine,
+                         # on top of a check's limit; × the machine factor on a slower or busier one
 
 
 @dataclass
@@ -164,6 +168,8 @@ class CheckResult:
     hidden: bool = False
     # it passed, but its points wait for a value check of the same exercise (Check.requires_value)
     held: bool = False
+    # it failed because the machine could not start the learner's process in time (MachineBusy)
+    busy: bool = False
 
 
 @dataclass
@@ -186,11 +192,16 @@ class ExerciseResult:
 
 @dataclass
 class RanksResult:
-    """What a multi-rank call brought back: values in rank order and the trace as plain dicts."""
+    """What a multi-rank call brought back: values in rank order, the trace as plain dicts (recorded in
+    the ranks: feedback), and what the runner saw itself — every checked message per rank, ``(op,
+    peer, elements, allowed)`` as the referee logged it (:mod:`.referee`), and each rank's growth of
+    mapped and of resident memory during the call, in bytes (when measured)."""
 
     values: list[Any]
     trace: list[dict[str, Any]]
     output: str = ""
+    comm: list[list[tuple]] = field(default_factory=list)
+    memory: list[tuple[int, int] | None] | None = None
 
     def events(self, op: str | None = None, rank: int | None = None) -> list[dict[str, Any]]:
         return [e for e in self.trace if (op is None or e["op"] == op) and (rank is None or e["rank"] == rank)]
@@ -253,15 +264,30 @@ ORACLE = Oracle()
 ORACLE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "oracle_answers.pt")
 
 
+def stripped(registry: dict[str, Exercise]) -> bool:
+    """True in a student release: the graded reference functions are delegations to the learner's
+    (``strip.delegate_source``), so ground truth must come from recorded answers."""
+    for _, _, fn in graded_functions(registry)[:1]:
+        try:
+            return "as _yours" in inspect.getsource(fn)
+        except (OSError, TypeError):
+            return False
+    return False
+
+
 def load_oracle_answers(path: str | None = None) -> bool:
     """Use recorded reference answers instead of live calls (the student release ships them in
-    ``exercises/grading/oracle_answers.pt``; :func:`grade` loads that file by itself)."""
+    ``exercises/grading/oracle_answers.pt``; :func:`grade` loads that file by itself, never under
+    fresh inputs).  The file holds plain data only (the release writes it so) and is read with
+    ``weights_only=True``: a file planted there by code the grader ran cannot run code when loaded."""
     path = path or ORACLE_FILE
     if not os.path.exists(path):
         return False
-    # Written by the teacher's release build (exercises/grading/release.py); may hold the
-    # reference's own result types, hence a full load.
-    ORACLE.answers = torch.load(path, weights_only=False)
+    try:
+        ORACLE.answers = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001  (a damaged or planted file: say so, grade with what is left)
+        raise SetupError(f"{path} is not a file of recorded reference answers ({type(e).__name__}); rebuild the "
+                         "release (make release) or delete it.") from None
     return True
 
 
@@ -297,11 +323,12 @@ def salted_seed(n: int) -> int:
 class Context:
     """Handed to every check.  Runs learner code through the runner; compares; fails with words."""
 
-    def __init__(self, solutions: str, exercise: Exercise, runner, timeout: float):
+    def __init__(self, solutions: str, exercise: Exercise, runner, timeout: float, factor: float = 1.0):
         self.solutions = solutions
         self.exercise = exercise
         self.runner = runner
         self.timeout = timeout
+        self.factor = factor            # the machine factor: start-up allowances grow with it
 
     @property
     def module(self) -> str:
@@ -322,81 +349,53 @@ class Context:
 
     # -- running learner code -----------------------------------------------------------------
 
+    @property
+    def start_allowance(self) -> float:
+        """Seconds a world may take to start, on top of a call's limit: :data:`START_ALLOWANCE` × the
+        machine factor."""
+        return START_ALLOWANCE * self.factor
+
     def local(self, harness: str, *args: Any, timeout: float | None = None) -> Any:
-        """Call ``harness(module, *args)`` once in the runner process; return its value."""
-        reply = self.runner.call(("local", harness, self.module, args), timeout or self.timeout)
+        """Call ``harness(module, *args)`` once in a process of the runner's; return its value."""
+        t = timeout or self.timeout
+        reply = self.runner.call(("local", harness, self.module, args, t), t + 5, start=self.start_allowance)
         self._raise_on_error(reply)
         return reply["value"]
 
-    def ranks(self, world_size: int, harness: str, *args: Any, timeout: float | None = None,
-              world_timeout: float | None = None) -> RanksResult:
-        """Call ``harness(module, *args)`` on every rank of a world of ``world_size``.
+    def ranks(self, world_size: int, harness: str, *args: Any, per_rank: Sequence[Any] | None = None,
+              timeout: float | None = None, world_timeout: float | None = None,
+              rules: Sequence[dict | None] | dict | None = None, fresh: bool = False,
+              measure: bool = False, memory_cap: int | None = None) -> RanksResult:
+        """Call ``harness(module, mine, *args)`` on every rank of a world of ``world_size``.
 
-        The ranks get ``timeout`` (default: the check's time limit) to finish; after it a
-        deadlock is reported with what each rank was blocked in.  ``world_timeout`` is an old
-        name for the same thing.
+        ``per_rank[r]`` is rank r's own inputs (``mine`` on rank r; None without ``per_rank``): the
+        runner sends it to rank r alone, so no rank holds another's.  ``rules``: the referee's rules
+        for this call's checked messages (one dict for every rank, or one per rank:
+        :func:`.referee.rules`); the log of every checked message comes back in ``.comm``.
+        ``fresh``: a world of its own, started for this call (``measure``: the runner reads each
+        rank's mapped and resident memory before and after, ``.memory``; ``memory_cap``: and caps what
+        each rank may map during the call at that many bytes more).  The ranks get
+        ``timeout`` (default: the check's time limit) to finish; after it a deadlock is reported
+        with what each rank was blocked in.  ``world_timeout`` is an old name for the same thing.
         """
+        if per_rank is not None and len(per_rank) != world_size:
+            raise ValueError(f"per_rank has {len(per_rank)} entries for {world_size} ranks")
         run_timeout = min(x for x in (timeout, world_timeout, self.timeout) if x)
-        budget = run_timeout + START_ALLOWANCE + 2 * world_size
-        # every rank first switches off what the exercise's learner may not use, restores the
-        # given code, and afterwards checks that the learner's code left it alone
-        args = (self.exercise.lockdown(), harness, *args)
-        harness = "exercises.grading.harness:guarded"
-        reply = self.runner.call(("ranks", world_size, harness, self.module, args, run_timeout), budget)
+        budget = run_timeout + max(5, 2 * world_size)   # the ranks get run_timeout, then a deadlock report
+        if isinstance(rules, dict):
+            rules = [rules] * world_size
+        measure = measure or memory_cap is not None
+        opts = {"rules": list(rules) if rules is not None else None, "fresh": fresh or measure, "measure": measure,
+                "memory_cap": memory_cap}
+        reply = self.runner.call(("ranks", world_size, harness, self.module, args,
+                                  list(per_rank) if per_rank is not None else None, run_timeout, opts), budget,
+                                 start=self.start_allowance + 2 * world_size)
         self._raise_on_error(reply)
-        return RanksResult(reply["values"], reply["trace"], reply.get("output", ""))
+        return RanksResult(reply["values"], reply["trace"], reply.get("output", ""),
+                           [[tuple(x) for x in log] for log in reply.get("comm") or []], reply.get("memory"))
 
     def _raise_on_error(self, reply: dict) -> None:
-        err = reply.get("error")
-        if not err:
-            return
-        kind = err.get("kind")
-        if err.get("type") == "NotImplementedError":
-            raise CheckFailed(f"not implemented yet: {err.get('message') or 'NotImplementedError'}")
-        if kind == "timeout":
-            blocked = err.get("blocked", {})
-            if blocked and all(not b for b in blocked.values()):
-                raise CheckTimedOut(
-                    f"your code did not finish within {err.get('timeout', 0):g} s and no rank was communicating "
-                    f"(ranks {', '.join(map(str, sorted(blocked)))} were still running): a loop that never ends?")
-            lines = [f"deadlock: after {err.get('timeout', 0):g} s ranks {', '.join(map(str, sorted(blocked)))} "
-                     "were still waiting."]
-            lines += [f"    rank {r}: {'blocked in ' + b if b else 'running (no communication in progress)'}"
-                      for r, b in sorted(blocked.items())]
-            sends = [b for b in blocked.values() if b.startswith("send")]
-            if blocked and len(sends) == len(blocked) and len(blocked) > 1:
-                lines.append("    Likely mistake: a blocking ring — every rank sends first and waits for a "
-                             "receiver that is itself sending. Post sends and receives together "
-                             "(comm.exchange / batch_isend_irecv).")
-            raise CheckTimedOut("\n".join(lines))
-        if err.get("type") == "Tampered":
-            raise CheckFailed(err.get("message", "your code changed the course's given code."))
-        if err.get("type") == "SystemExit":
-            where = f" on rank {err['rank']}" if err.get("rank") is not None else ""
-            raise CheckFailed(f"your code called sys.exit({err.get('message')}){where}: exiting never passes a "
-                              "check; return the result instead.")
-        if kind == "died":
-            msg = f"a rank of your world died: {err.get('message')}"
-            if "SIGABRT" in msg:
-                msg += ("\n    Likely mistake: gloo aborts a rank when a message does not fit the buffer posted to "
-                        "receive it — a send and its matching recv disagree on the size (which chunk, or which "
-                        "way round the ring the data flows).")
-            raise CheckFailed(msg)
-        where = f" on rank {err['rank']}" if err.get("rank") is not None else ""
-        tb = err.get("traceback", "")
-        tail = "\n".join(tb.strip().splitlines()[-6:]) if tb else ""
-        mine = self._learner_frame(tb)
-        if mine and mine not in tail:             # the failure surfaced in library code: show where it began
-            tail = f"in your code:\n{mine}\n...\n{tail}"
-        raise CheckFailed(f"your code raised {err.get('type')}{where}: {err.get('message')}"
-                          + (f"\n    {tail.replace(chr(10), chr(10) + '    ')}" if tail else ""))
-
-    def _learner_frame(self, tb: str) -> str | None:
-        """The deepest frame of ``tb`` in the learner's own module (its two lines), or None."""
-        import re
-        file = self.module.replace(".", "/") + ".py"
-        frames = re.findall(r'(  File "[^"]*' + re.escape(file) + r'", line \d+, in [^\n]+\n(?:    [^\n]*)?)', tb)
-        return frames[-1].rstrip() if frames else None
+        raise_on_error(reply.get("error"), self.module)
 
     # -- ground truth ----------------------------------------------------------------------------
 
@@ -470,12 +469,12 @@ def _guard_pairs(registry: dict[str, Exercise], solutions: str) -> list[tuple[st
 
 
 def _preload_reference() -> None:
-    """Import the reference (minus widgets) now, before learner code runs: what the grader judges
+    """Import the reference (minus the notebooks' plumbing) now, before learner code runs: what the grader judges
     with is then fixed in memory, whatever a submission does to files on disk."""
     import pkgutil
     ref = importlib.import_module("reference")
     for info in pkgutil.walk_packages(ref.__path__, "reference."):
-        if info.name.startswith(("reference.widgets", "reference.notebook")):
+        if info.name.startswith(NOTEBOOK_PLUMBING):   # no verdict needs them
             continue
         try:
             importlib.import_module(info.name)

@@ -119,7 +119,8 @@ def compare(got: Any, expected: torch.Tensor, what: str, *, rank: int | None = N
     if not isinstance(got, torch.Tensor):
         return f"{what}{where}: expected a tensor of shape {tuple(expected.shape)}, got {type(got).__name__}."
     if got.shape != expected.shape:
-        return (f"{what}{where}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}.")
+        msg = f"{what}{where}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}."
+        return msg + _likely(Mismatch(what, got, expected, rank, world_size, case, dict(extra or {})), detectors, ())
     if _kind(got) != _kind(expected):
         return (f"{what}{where}: dtype {got.dtype}, expected {_KIND_NAMES[_kind(expected)]} like "
                 f"{expected.dtype}.")
@@ -139,17 +140,23 @@ def compare(got: Any, expected: torch.Tensor, what: str, *, rank: int | None = N
     msg = (f"{what}{where} differs: max error {float(err.flatten()[flat]):.3g} at index {i} "
            f"(got {float(g.flatten()[flat]):.6g}, expected {float(e.flatten()[flat]):.6g}); "
            f"{int(bad.sum())} of {bad.numel()} elements outside tolerance (atol={atol:g}, rtol={rtol:g}).")
-    m = Mismatch(what, got, expected, rank, world_size, case, dict(extra or {}))
-    hints = []
-    for d in list(detectors) + GENERIC:
-        try:
-            h = d(m)
-        except Exception:  # a detector must never break grading
-            h = None
-        if h and h not in hints:
-            hints.append(h)
-    if hints:
-        msg += "\n    Likely mistake: " + hints[0]
-        for h in hints[1:2]:
-            msg += "\n    Also: " + h
-    return msg
+    return msg + _likely(Mismatch(what, got, expected, rank, world_size, case, dict(extra or {})), detectors, GENERIC)
+
+
+def _likely(m: Mismatch, detectors: Sequence[Detector], generic: Sequence[Detector]) -> str:
+    """The "Likely mistake" lines: the check's own detectors first; the generic ones (NaN, zeros,
+    a constant factor) only when none of those named the mistake — a precise diagnosis stands alone."""
+    def run(ds):
+        out = []
+        for d in ds:
+            try:
+                h = d(m)
+            except Exception:  # a detector must never break grading
+                h = None
+            if h and h not in out:
+                out.append(h)
+        return out
+    hints = run(detectors) or run(generic)
+    if not hints:
+        return ""
+    return "\n    Likely mistake: " + hints[0] + "".join("\n    Also: " + h for h in hints[1:2])

@@ -46,7 +46,7 @@ class Snapshot:
 
     def _namespace(self, ns: dict, owner: str, seen: set[int]) -> None:
         for name, obj in list(ns.items()):
-            if not _frozen_name(name, obj):
+            if not _frozen_name(name, obj) or (owner == __name__ and name in _OWN_STATE):
                 continue
             self.names.append((ns, name, obj, _copy_table(obj) if name.isupper() else None))
             self._function(obj, owner, seen)
@@ -106,18 +106,13 @@ class Snapshot:
             fn.__code__, fn.__defaults__, fn.__kwdefaults__ = code, defaults, kwdefaults
 
     def verify(self) -> None:
-        """Raise :class:`Tampered` (after restoring) if learner code changed the given code."""
-        found = self.changes()
-        if found:
-            self.restore()
-            shown = "; ".join(found[:3]) + (f" (and {len(found) - 3} more)" if len(found) > 3 else "")
-            raise Tampered(f"your code changed the course's given code while it ran ({shown}). The grader runs "
-                           "its own copy of the given code and does not accept a result computed with a changed "
-                           "one: leave reference/ and the grader as they are and write the exercise in your own "
-                           "functions.")
+        """Raise :class:`Tampered` (after restoring) if learner code changed the given code (the
+        verifier of :func:`watch` does the comparing)."""
+        check()
 
 
 _MISSING = object()
+_OWN_STATE = ("_SNAPSHOT", "_WATCH")      # this module's own state: the watcher checks _WATCH itself
 _CODE_LIKE = (types.FunctionType, type, types.ModuleType, staticmethod, classmethod, property)
 _DUNDERS = ("__init__", "__call__", "__enter__", "__exit__", "__post_init__", "__getitem__")
 
@@ -130,13 +125,18 @@ def _frozen_name(name: str, obj) -> bool:
         return False
     return isinstance(obj, _CODE_LIKE) or name.isupper()
 _SNAPSHOT: Snapshot | None = None
+_WATCH = None        # the verifier (a generator) made with the snapshot: see watch()
 
 
 def take() -> Snapshot:
-    """Freeze the given code loaded now (once per process; forked ranks inherit it)."""
-    global _SNAPSHOT
+    """Freeze the given code loaded now (once per process; forked ranks inherit it), and make the
+    verifier that compares it with the snapshot (:func:`watch`)."""
+    global _SNAPSHOT, _WATCH
     if _SNAPSHOT is None:
         _SNAPSHOT = Snapshot()
+        _WATCH = _watching(_SNAPSHOT)
+        next(_WATCH)
+        _WATCH.send(_WATCH)
     return _SNAPSHOT
 
 
@@ -144,8 +144,114 @@ def current() -> Snapshot | None:
     return _SNAPSHOT
 
 
-# what only the notebooks use (drawing, recordings): never a check's driver, and slow to import
-NOTEBOOK_PLUMBING = ("reference.widgets", "reference.notebook")
+def watch():
+    """The verifier: ``watch().send(None)`` lists what differs from the snapshot now (empty: nothing).
+
+    It is a generator made when the snapshot was taken, before any learner code ran.  Its code is
+    fixed (a running generator's frame keeps its own code) and everything it uses — the snapshot's
+    entries, ``dict.get``, ``is`` — was taken into that frame then, so rebinding ``Snapshot.verify``,
+    ``Snapshot.changes`` or a builtin while learner code runs changes nothing it checks.  It also
+    checks that it is still the one this module hands out, that no trace or profile function was
+    set, and (once :func:`check_threads` set the baseline) that no thread was left running.
+    """
+    return _WATCH
+
+
+def check(watcher=None) -> None:
+    """Raise :class:`Tampered` if the given code differs from the snapshot now (restoring it first)."""
+    raise_found((watcher or _WATCH).send(None))
+
+
+def raise_found(found: list[str]) -> None:
+    """Raise :class:`Tampered` naming what the verifier ``found`` changed (restoring it first)."""
+    if found:
+        _SNAPSHOT.restore()
+        shown = "; ".join(found[:3]) + (f" (and {len(found) - 3} more)" if len(found) > 3 else "")
+        raise Tampered(f"your code changed the course's given code while it ran ({shown}). The grader runs "
+                       "its own copy of the given code and does not accept a result computed with a changed "
+                       "one: leave reference/ and the grader as they are, start no threads or trace "
+                       "functions, and write the exercise in your own functions.")
+
+
+def enlist(wrapper, box: list) -> None:
+    """Tell the verifier about a harness's wrapper of a learner function (``box`` holds the verifier the
+    wrapper calls): from now on it checks that the wrapper still runs its own code and still calls it."""
+    if _WATCH is not None:
+        _WATCH.send(("enlist", wrapper, box))
+
+
+def check_threads() -> None:
+    """From now on (the first call in a process counts; later ones change nothing) the verifier
+    also counts this process's Python threads: more than now means learner code left one running."""
+    _WATCH.send(True)
+
+
+def _watching(snapshot: Snapshot):
+    """The generator behind :func:`watch` (see there).  Threads are counted as the interpreter knows
+    them (those that run Python code): a process group's own threads, gloo's, are not among them."""
+    me = yield None
+    holder = sys.modules[__name__].__dict__
+    entries = tuple((owner if isinstance(owner, dict) else vars(owner), _where(owner, name), name, obj, table)
+                    for owner, name, obj, table in snapshot.names)
+    codes = tuple((fn, f"{fn.__module__}.{fn.__qualname__}", code, defaults, kwdefaults)
+                  for fn, code, defaults, kwdefaults in snapshot.codes)
+    modules = tuple(snapshot.modules.items())
+    table_types = (dict, list, set)
+    sys_modules, gettrace, getprofile, frames = sys.modules, sys.gettrace, sys.getprofile, sys._current_frames
+    threads = None
+    missing = object()
+    wrappers: list = []                 # (wrapper, its code, its box): harness wrappers of learner functions
+    found: list[str] = []
+    while True:
+        command = yield found
+        found = []
+        if command is True:
+            if threads is None:
+                threads = len(frames())
+            continue
+        if type(command) is tuple and len(command) == 3 and command[0] == "enlist":
+            wrappers.append((command[1], command[1].__code__, command[2]))
+            continue
+        for wrapper, code, box in wrappers:
+            if wrapper.__code__ is not code or len(box) != 1 or box[0] is not me:
+                found.append("a wrapper the grader put round your function was changed")
+        if holder.get("_WATCH", missing) is not me:
+            found.append("the grader's verifier was replaced")
+        for ns, where, name, obj, table in entries:
+            now = ns.get(name, missing)
+            if now is not obj:
+                found.append(f"{where} was replaced")
+            elif table is not None and type(obj) in table_types:
+                same = len(obj) == len(table)
+                if same and type(obj) is dict:
+                    for k in table:
+                        if obj.get(k, missing) is not table[k]:
+                            same = False
+                            break
+                elif same and type(obj) is list:
+                    for a, b in zip(obj, table):
+                        if a is not b:
+                            same = False
+                            break
+                elif same:
+                    same = obj == table
+                if not same:
+                    found.append(f"the contents of {where} were changed")
+        for fn, where, code, defaults, kwdefaults in codes:
+            if fn.__code__ is not code or fn.__defaults__ is not defaults or fn.__kwdefaults__ is not kwdefaults:
+                found.append(f"the code of {where} was swapped")
+        for modname, mod in modules:
+            if sys_modules.get(modname) is not mod:
+                found.append(f"module {modname} was replaced in sys.modules")
+        if gettrace() is not None or getprofile() is not None:
+            found.append("a trace or profile function was set (sys.settrace / sys.setprofile)")
+        if threads is not None and len(frames()) > threads:
+            found.append("a thread your code started is still running after it returned")
+
+
+# never a check's driver, and slow to import: what only the notebooks use (drawing, recordings), and the
+# composed run's checkpoints (torch.distributed.checkpoint: 0.5 s quiet, 10 s on a loaded machine, per runner)
+NOTEBOOK_PLUMBING = ("reference.widgets", "reference.notebook", "reference.compose.checkpoint")
 
 
 def load_given() -> None:

@@ -27,10 +27,12 @@ if "0.1" in EXERCISES:
     def _(ctx):
         g = torch.Generator().manual_seed(salted_seed(101))
         xs = [torch.randint(-10**12, 10**12, (7,), generator=g, dtype=torch.int64) for _ in range(3)]
-        res = ctx.ranks(3, f"{H}:call_per_rank", "ring_all_reduce", [(x,) for x in xs])
+        from .checks.collectives import judge_input_kept, ring_rules
+        res = ctx.ranks(3, f"{H}:call_per_rank", "ring_all_reduce", None, True, per_rank=[(x,) for x in xs],
+                        rules=ring_rules(7, 3, 2))
         want = torch.stack(xs).sum(0)
-        for r in range(3):
-            ctx.compare(res.values[r], want, "sum", rank=r, world_size=3, atol=0, rtol=0)
+        for r, v in enumerate(judge_input_kept(res.values, xs, "ring_all_reduce")):
+            ctx.compare(v, want, "sum", rank=r, world_size=3, atol=0, rtol=0)
 
 
 if "0.2" in EXERCISES:
@@ -40,9 +42,11 @@ if "0.2" in EXERCISES:
         full = torch.randn(7, generator=torch.Generator().manual_seed(salted_seed(102))).float()
         bounds = chunk_bounds(7, 3)
         args = [(full[slice(*bounds[(r + 1) % 3])].clone(), 7) for r in range(3)]
-        res = ctx.ranks(3, f"{H}:call_per_rank", "ring_all_gather", args)
-        for r in range(3):
-            ctx.compare(res.values[r], full, "gathered tensor", rank=r, world_size=3, atol=0, rtol=0)
+        from .checks.collectives import judge_input_kept, ring_rules
+        res = ctx.ranks(3, f"{H}:call_per_rank", "ring_all_gather", None, True, per_rank=args,
+                        rules=ring_rules(7, 3, 1))
+        for r, v in enumerate(judge_input_kept(res.values, [a[0] for a in args], "ring_all_gather")):
+            ctx.compare(v, full, "gathered tensor", rank=r, world_size=3, atol=0, rtol=0)
 
 
 if "3.1" in EXERCISES:
@@ -70,16 +74,17 @@ if "3.3" in EXERCISES:
 if "3.4" in EXERCISES:
     @hidden_check("3.4", "4 ranks, uneven layer shards, float32 gather; FSDP on the MLP = one process")
     def _(ctx):
-        from .checks.data import H, _compare_params, _single
+        from .checks.data import H, _compare_params, _data_seeds, _single
         W = 4
         g = torch.Generator().manual_seed(ctx.seed(395))
         shards = [torch.randn(3, generator=g).float() for _ in range(W)]
-        res = ctx.ranks(W, f"{H}:collective_per_rank", "gather_full_params", shards, {"layer": "hidden"})
+        res = ctx.ranks(W, f"{H}:collective_per_rank", "gather_full_params", {"layer": "hidden"}, per_rank=shards)
         for r, got in enumerate(res.values):
             ctx.compare(got, torch.cat(shards), "gathered float32 parameters", rank=r, world_size=W, atol=0, rtol=0)
         kw = dict(steps=2, seed=ctx.seed(396), return_grads=False)
-        res = ctx.ranks(W, f"{H}:train_per_rank", "fsdp", "mlp", "adamw", kw)
-        _compare_params(ctx, res, _single(ctx, "mlp", "adamw", W, **kw), W, "W=4, MLP, FSDP")
+        data = _data_seeds(ctx, 396, W)
+        res = ctx.ranks(W, f"{H}:train_per_rank", "fsdp", "mlp", "adamw", kw, per_rank=data)
+        _compare_params(ctx, res, _single(ctx, "mlp", "adamw", W, data_seed=data, **kw), W, "W=4, MLP, FSDP")
 
 
 if "4.1" in EXERCISES:

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from .core import START_ALLOWANCE, CheckFailed, CheckTimedOut, SetupError
+from .core import START_ALLOWANCE, CheckFailed, CheckTimedOut, MachineBusy, SetupError
 
 MAX_REPLY_BYTES = int(float(os.environ.get("GRADER_MAX_REPLY_MB", "64")) * 2 ** 20)  # one runner reply, at most
+STARTED = b"S"       # what the runner sends once a request's ranks are up (before any learner code runs)
 
 
 class Runner:
@@ -43,11 +44,12 @@ class Runner:
     """
 
     def __init__(self, solutions: str = "exercises", guard: Sequence[tuple[str, str]] = (),
-                 lockdown: dict | None = None):
+                 lockdown: dict | None = None, factor: float = 1.0):
         self.proc: subprocess.Popen | None = None
         self.conn = None
         self.ready = False
         self.solutions, self.guard, self.lockdown = solutions, list(guard), dict(lockdown or {})
+        self.factor = factor          # the machine factor: the start-up allowance grows with it
 
     def start(self) -> Runner:
         parent, child = socket.socketpair()
@@ -64,21 +66,43 @@ class Runner:
         return self
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Wait until the runner has loaded torch (not counted in any check's time limit)."""
-        timeout = START_ALLOWANCE if timeout is None else timeout
-        try:
-            self.conn.send_bytes(pickle.dumps(("ping",)))
-            receive(self.conn, timeout, 1 << 16)
-            self.ready = True
-            return
-        except (EOFError, OSError, _Late, _TooBig):
-            pass
-        code = self.proc.poll() if self.proc else None
+        """Wait until the runner has loaded torch (not counted in any check's time limit): up to
+        :data:`START_ALLOWANCE` × the machine factor; a runner that did not start in that time is
+        started once more.  Twice too slow is the machine's doing, and the message says so."""
+        timeout = START_ALLOWANCE * self.factor if timeout is None else timeout
+        codes: list[int | None] = []
+        pinged = False
+        for attempt in range(2):
+            try:
+                if not pinged:
+                    self.conn.send_bytes(pickle.dumps(("ping",)))
+                    pinged = True
+                receive(self.conn, timeout, 1 << 16)
+                self.ready = True
+                return
+            except (EOFError, OSError, _Late, _TooBig):
+                pass
+            codes.append(self.proc.poll() if self.proc else None)
+            if codes[-1] is not None and attempt == 0:     # it died: start another (a slow one is waited for)
+                self.kill()
+                self.start()
+                pinged = False
         self.kill()
-        raise CheckFailed(f"the grader could not start a process to run your code (exit code {code}).")
+        if any(c not in (None, 0) and c > 0 for c in codes):
+            raise CheckFailed(f"the grader could not start a process to run your code (exit codes {codes}): it "
+                              "failed while loading the course, before your code ran.")
+        raise MachineBusy(f"this machine is too busy right now: the grader could not start the process that runs "
+                          f"your code within {timeout:.0f} s, twice (load average "
+                          f"{_load():.1f} on {os.cpu_count()} cores). This is the machine, not your code: grade "
+                          "again when it is quieter (or set GRADER_SLOWDOWN to allow more time).")
 
-    def call(self, request: tuple, timeout: float) -> dict:
-        """Send a request; return the runner's reply (a dict), or raise CheckFailed."""
+    def call(self, request: tuple, timeout: float, start: float | None = None) -> dict:
+        """Send a request; return the runner's reply (a dict), or raise CheckFailed.
+
+        ``start``: the request starts ranks first (a "local" or "ranks" request); the runner says
+        :data:`STARTED` once they are up, which must come within ``start`` seconds — else the machine
+        was too slow (:class:`MachineBusy`), not the learner's code — and then the reply within
+        ``timeout``."""
         if self.proc is None or self.proc.poll() is not None:
             self.kill()
             self.start()
@@ -86,7 +110,18 @@ class Runner:
             self.wait_ready()
         try:
             self.conn.send_bytes(pickle.dumps(request))
-            data = receive(self.conn, timeout, MAX_REPLY_BYTES)
+            if start is not None:
+                try:
+                    first = receive(self.conn, start, MAX_REPLY_BYTES)
+                except _Late:
+                    self.kill()
+                    raise MachineBusy(f"this machine is too busy right now: the processes that run your code did not "
+                                      f"start within {start:.0f} s (load average {_load():.1f} on {os.cpu_count()} "
+                                      "cores). This is the machine, not your code: grade again when it is quieter "
+                                      "(or set GRADER_SLOWDOWN to allow more time).") from None
+                data = first if first != STARTED else receive(self.conn, timeout, MAX_REPLY_BYTES)
+            else:
+                data = receive(self.conn, timeout, MAX_REPLY_BYTES)
         except _Late:
             self.kill()
             raise CheckTimedOut(f"your code did not finish within {timeout:g} s (an infinite loop, or a "
@@ -129,6 +164,13 @@ class Runner:
             except Exception:
                 pass
         self.proc, self.conn, self.ready = None, None, False
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return float("nan")
 
 
 class _Late(Exception):

@@ -180,10 +180,38 @@ def resolve(target: str):
     return obj
 
 
+def expand(target: str) -> list[str]:
+    """``"pkg.mod:*"`` → every function and method defined in that module; ``"pkg.mod:Class"`` → the
+    class's own methods; anything else as it is.  Graded functions (swapped for a delegation to the
+    learner's own while grading: their code comes from ``<grader: …>``) are left out."""
+    mod, _, qual = target.partition(":")
+    if qual != "*" and not isinstance(resolve(target), type):
+        return [target]
+    try:
+        module = importlib.import_module(mod)
+    except ImportError:
+        return []
+    owners = [module] if qual == "*" else [resolve(target)]
+    out = []
+    for owner in owners:
+        for name, obj in list(vars(owner).items()):
+            if isinstance(obj, (staticmethod, classmethod)):
+                obj = obj.__func__
+            if isinstance(obj, property) and obj.fget is not None:
+                obj = obj.fget
+            if isinstance(obj, type) and owner is module and obj.__module__ == mod:
+                out += [t for t in expand(f"{mod}:{obj.__qualname__}")]
+            elif callable(obj) and getattr(obj, "__module__", None) == mod and hasattr(obj, "__code__") \
+                    and not obj.__code__.co_filename.startswith("<grader:"):
+                out.append(f"{mod}:{obj.__qualname__}")
+    return out
+
+
 def switch_off_mirrors(targets: Sequence[str], exercise: str) -> None:
-    """Swap the code of each given function in ``targets`` for one that raises, saying that it
-    computes exercise ``exercise``'s answer."""
-    _swap(targets, exercise, f"it computes what exercise {exercise} asks you to compute")
+    """Swap the code of each given function in ``targets`` (see :func:`expand`) for one that raises,
+    saying that it computes exercise ``exercise``'s answer."""
+    _swap([t for target in targets for t in expand(target)], exercise,
+          f"it computes what exercise {exercise} asks you to compute, or part of it")
 
 
 def _swap(targets: Sequence[str], exercise: str, why: str) -> None:
@@ -192,6 +220,8 @@ def _swap(targets: Sequence[str], exercise: str, why: str) -> None:
     exist (another torch version) is skipped."""
     for target in targets:
         fn = resolve(target)
+        if isinstance(fn, property):
+            fn = fn.fget
         code = getattr(fn, "__code__", None)
         if code is None or code.co_name == "_switched_off":
             continue

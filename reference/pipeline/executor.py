@@ -114,6 +114,9 @@ def forward_step(module: nn.Module, microbatch: int, link: Link, stash: dict, *,
     y = module(x).  Last stage: loss = loss_fn(y, target) / num_microbatches, stash (x, loss),
     return loss.detach().  Other stages: send y (detached) to the next stage, stash (x, y),
     return None.  ``stash`` maps micro-batch → what :func:`backward_step` needs.
+
+    Graded on: the loss and every gradient of real pipelines (GPipe, 1F1B) equal to one process's, and the messages
+    your steps send, recorded by the grader's own Link.
     """
     x = inputs if link.is_first else link.recv_activation(microbatch).requires_grad_()
     y = module(x)
@@ -129,7 +132,11 @@ def forward_step(module: nn.Module, microbatch: int, link: Link, stash: dict, *,
 def backward_step(microbatch: int, link: Link, stash: dict) -> None:
     """B of one micro-batch on one stage: take (x, y) out of the stash (freeing it), backprop the
     gradient received from the next stage (last stage: y is the loss, its own gradient is 1) —
-    parameters' ``.grad`` accumulate — and send x's gradient to the stage before (if any)."""
+    parameters' ``.grad`` accumulate — and send x's gradient to the stage before (if any).
+
+    Graded on: the loss and every gradient of real pipelines (GPipe, 1F1B) equal to one process's, and the messages
+    your steps send, recorded by the grader's own Link.
+    """
     x, y = stash.pop(microbatch)
     dy = None if link.is_last else link.recv_gradient(microbatch)
     torch.autograd.backward(y, dy)

@@ -90,6 +90,9 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, layout: str, dim
 
     x: e.g. (batch, heads, S, head_dim) with ``dim=-2``.  Returns the same shape with S/W along ``dim``.
     Raises ValueError if S is not a multiple of the layout's number of chunks.
+
+    Graded on: every layout's shards on 1–4 ranks along dim −2 and 1, bitwise, your input left unchanged, and
+    ValueError for lengths the layout cannot split.
     """
     seq_len = x.shape[dim]
     _check_sizes(seq_len, rank, world_size, layout)
@@ -100,7 +103,10 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, layout: str, dim
 
 
 def unshard_sequence(shards: list[torch.Tensor], layout: str, dim: int = -2) -> torch.Tensor:
-    """Inverse of :func:`shard_sequence`: ``shards[r]`` is rank r's shard; returns the full tensor."""
+    """Inverse of :func:`shard_sequence`: ``shards[r]`` is rank r's shard; returns the full tensor.
+
+    Graded on: every layout put back together on 1–4 ranks, bitwise.
+    """
     check_layout(layout)
     world_size = len(shards)
     if world_size == 0:

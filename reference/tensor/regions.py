@@ -60,6 +60,8 @@ def copy_to_tensor_region(x: torch.Tensor, group=None, **meta) -> torch.Tensor:
     x: a replicated activation (the same on every rank), any shape.  Returns x (a view) whose
     gradient is summed over the ranks on the way back: ∂L/∂x = Σ_r ∂L_r/∂x.  ``meta`` goes into
     the trace event of the backward all-reduce (with ``operator="f"``, ``direction="backward"``).
+
+    Graded on: the forward value and the input gradient on 2–4 ranks (an autograd graph that reaches x).
     """
     if not hasattr(copy_to_tensor_region, "Function"):
         class CopyToTensorRegion(torch.autograd.Function):
@@ -85,6 +87,8 @@ def reduce_from_tensor_region(x: torch.Tensor, group=None, **meta) -> torch.Tens
     x: this rank's partial result, any shape (the same shape on every rank).  Returns Σ_r x_r, the
     same on every rank; the gradient passes back unchanged to every rank's partial.  ``meta`` goes
     into the trace event of the forward all-reduce (with ``operator="g"``, ``direction="forward"``).
+
+    Graded on: the forward value and the input gradient on 2–4 ranks (an autograd graph that reaches x).
     """
     if not hasattr(reduce_from_tensor_region, "Function"):
         class ReduceFromTensorRegion(torch.autograd.Function):

@@ -76,3 +76,50 @@ def test_a_failed_check_offers_the_next_tier():
     exercises.hint("5b.2")
     assert "hint 3 of 3" in exercises._next_hint_line([R("5b.2", 0)])
     assert exercises._next_hint_line([R("5b.1", 4)]) == ""
+
+
+def _solution_lines() -> dict[str, set[str]]:
+    """The distinctive code lines of every graded reference body (whitespace removed), by line: what
+    a hint or a feedback message must not quote.  A line that also stands in the reference outside
+    the graded bodies is shared plumbing (``N = comm.world_size(group)``), not a solution line."""
+    import ast
+    import re
+    import textwrap
+    from pathlib import Path
+
+    def squeeze(t: str) -> str:
+        return re.sub(r"\s+", "", t)
+    bodies, lines = [], {}
+    for ex, name, fn in core.graded_functions(REGISTRY):
+        src = textwrap.dedent(inspect.getsource(fn))
+        f = ast.parse(src).body[0]
+        body = f.body[1:] if ast.get_docstring(f) else f.body
+        segment = "\n".join(inspect.getsource(fn).splitlines()[body[0].lineno - 1:body[-1].end_lineno])
+        bodies.append(segment)
+        for ln in segment.splitlines():
+            code = squeeze(ln.split("  #")[0])
+            if len(code) >= 16 and ("(" in code or "[" in code):
+                lines.setdefault(code, set()).add(f"{ex.id} {name}")
+    outside = "\n".join(p.read_text() for p in (Path(__file__).resolve().parents[2] / "reference").rglob("*.py"))
+    for b in bodies:
+        outside = outside.replace(b, "")
+    shared = squeeze(outside)
+    return {code: owners for code, owners in lines.items() if code not in shared}
+
+
+def test_no_feedback_or_hint_quotes_a_line_of_a_graded_reference_body():
+    """Feedback names the mistake and hints sketch the way; neither hands over the solution's lines."""
+    import ast
+    import re
+    from pathlib import Path
+    lines = _solution_lines()
+    assert len(lines) > 50                                   # the scan has real solution lines to look for
+    texts = [(f"hint {ex_id} tier {i + 1}", t) for ex_id, tiers in HINTS.items() for i, t in enumerate(tiers)]
+    grading = Path(core.__file__).parent
+    for path in grading.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                texts.append((path.relative_to(grading).as_posix(), node.value))
+    quoted = [(where, code, sorted(owners)) for where, text in texts for code, owners in lines.items()
+              if code in re.sub(r"\s+", "", text)]
+    assert not quoted, quoted

@@ -5,6 +5,7 @@ earns, that the grader stays bounded in time and memory, and that a score is alw
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import pwd
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -46,13 +48,16 @@ def scores(doc: dict) -> dict[str, float]:
 # The reply channel: a deadline for the whole message, a size cap, stored records only
 
 
-def _call(attack: str, timeout: float = 3.0):
+def _call(attack: str, timeout: float = 3.0, raises: bool = True):
+    """Run ``attack`` where learner code runs (a rank of the runner's) and return what the grader got."""
     runner = sandbox.Runner("tests.submissions.hostile_runner").start()
     try:
         runner.wait_ready(60)
         t0 = time.perf_counter()
+        if not raises:
+            return runner.call(("local", f"{ATTACKS}:{attack}", "x", (), timeout), timeout + 60, start=60), 0.0
         with pytest.raises(core.CheckFailed) as e:
-            runner.call(("local", f"{ATTACKS}:{attack}", "x", ()), timeout)
+            runner.call(("local", f"{ATTACKS}:{attack}", "x", (), timeout), timeout, start=60)
         return e.value, time.perf_counter() - t0
     finally:
         runner.kill()
@@ -65,9 +70,16 @@ def test_a_reply_that_stops_mid_message_cannot_hang_the_grader(no_orphans):
 
 
 def test_a_compressed_record_is_refused_before_it_is_loaded(no_orphans):
+    # learner code runs in a rank: swapping torch.save there does not reach the runner's own reply ...
+    reply, _ = _call("compressed_reply", timeout=30, raises=False)
+    assert reply == {"value": 1, "output": ""}
+    # ... and a reply that held a compressed record anyway is refused before it is loaded
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/data.pkl", b"\0" * (200 << 20))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    err, _ = _call("compressed_reply", timeout=30)
-    assert "compressed record" in str(err)
+    with pytest.raises(core.CheckFailed, match="compressed record"):
+        sandbox.refuse_unsafe_archive(buf.getvalue())
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 * 1024   # KiB: nothing inflated
 
 
@@ -255,8 +267,13 @@ def test_the_runner_imports_a_stripped_course_without_hidden_checks(tmp_path, mo
 def test_the_guard_shuts_every_door_to_a_library_collective_and_keeps_the_exercises_own(allowed, no_orphans):
     from reference.launch import run_world
     from tests.workers.guard_workers import doors
-    for got in run_world(doors, 3, allowed, timeout=60).values:
+    for r, got in enumerate(run_world(doors, 3, allowed, timeout=60).values):
         assert got.pop("p2p" if "p2p" in allowed else "a2a") == "ok"
+        if "p2p" in allowed:                       # and only round the ring: r → r+1, on the world group
+            assert f"sends only to rank {(r + 1) % 3}" in got.pop("ring: backwards send")
+            assert f"receives only from rank {(r - 1) % 3}" in got.pop("ring: recv from the next")
+            sub = got.pop("ring: subgroup")
+            assert sub == "ok" if r == 2 else "only on the world's ring" in sub, sub
         reloaded = got.pop("reloaded c10d")
         assert reloaded != "RAN", reloaded         # a reload only loses the world
         opened = {k: v for k, v in got.items() if "not allowed in exercise 9.9" not in v
@@ -270,20 +287,25 @@ def test_library_collectives_behind_a_forged_trace_earn_nothing(tmp_path, no_orp
     assert doc is not None, proc.stderr[-3000:]
     assert doc["score"] == 0, [(t["name"], t["output"][:200]) for t in doc["tests"] if t["score"]]
     assert sum("is not allowed in exercise" in t["output"] for t in doc["tests"]) >= 10
-    # every check that reads the trace (bytes, neighbours, skipped blocks) carries no points
+    # the one check left that reads the trace (skipped blocks) carries no points; the messages are the referee's
     trace_checks = [t for t in doc["tests"] if "trace" in t["name"]]
-    assert len(trace_checks) == 4 and all(t["max_score"] == 0 for t in trace_checks)
+    assert len(trace_checks) == 1 and trace_checks[0]["max_score"] == 0
+    counted = [t for t in doc["tests"] if "counted by the grader" in t["name"]]
+    assert len(counted) == 3 and not any(t["score"] for t in counted)
 
 
-def test_without_the_guard_the_swap_earns_points_and_its_forged_trace_passes(monkeypatch, no_orphans):
-    """Why the trace checks are feedback only: with the library's collectives available, the forged
-    events make the byte check pass.  (The attack is real; only the guard stops it.)"""
+def test_without_the_guard_the_swap_earns_the_value_points_and_its_forged_trace_fools_no_count(monkeypatch,
+                                                                                               no_orphans):
+    """Why the guard, and why the runner counts: with the library's collectives available the values
+    are right, but the forged send events count for nothing, since the runner counts what the
+    ranks' kernels sent (here nothing)."""
     registry = core.load_checks()
     monkeypatch.setattr(registry["0.1"], "comm", None)
     (res,) = session.grade("tests.submissions.collective_swap", ["0.1"], include_hidden=False, timeout=20)
-    assert res.score == res.max_score > 0, [(c.name, c.message[:200]) for c in res.checks if not c.passed]
-    forged = [c for c in res.checks if "bytes" in c.name]
-    assert forged and forged[0].passed and forged[0].max_score == 0
+    lost = [c for c in res.checks if not c.passed]
+    assert [c.name for c in lost] == [c.name for c in res.checks if "counted by the grader" in c.name]
+    assert res.score == res.max_score > 0 and lost[0].max_score == 0
+    assert "sent 0 elements in 0 message(s)" in lost[0].message
 
 
 @pytest.mark.skipif(not _nobody_can_run_this_python(), reason="needs root, a user 'nobody' and a clone it can read")

@@ -257,13 +257,24 @@ def ring_attention_forward(q, k, v, *, causal=False, layout="contiguous", group=
     return out, lse
 
 
-def buggy_ring_worker(bug: str, shards, causal: bool, layout: str):
+def buggy_ring_worker(bug: str, causal: bool, layout: str, mine):
     global _BUG
     _BUG = bug
     try:
-        return checks.ring_harness(__name__, shards, causal, layout)
+        return checks.ring_harness(__name__, mine, causal, layout)
     finally:
         _BUG = ""
+
+
+def sent(trace: list[dict], W: int, itemsize: int = 8) -> list[list[tuple]]:
+    """The sends of a trace as the referee logs them: per rank, (op, peer, elements, allowed)."""
+    from exercises.grading.referee import SEND
+    return [[(SEND, e["peer"], e["nbytes"] // itemsize, True) for e in trace if e["op"] == "send" and e["rank"] == r]
+            for r in range(W)]
+
+
+def run_buggy(world, bug: str, shards, causal: bool, layout: str):
+    return world(len(shards)).run(buggy_ring_worker, bug, causal, layout, per_rank=[(s,) for s in shards])
 
 
 @pytest.mark.parametrize("bug, layout, words", [
@@ -276,11 +287,11 @@ def buggy_ring_worker(bug: str, shards, causal: bool, layout: str):
 def test_ring_detectors_name_the_mistake(world, bug, layout, words):
     W = 4
     qkv = checks.ring_inputs(1, 2, 16, 8, seed=7)
-    res = world(4).run(buggy_ring_worker, bug, checks.shard_inputs(qkv, W, layout), True, layout)
+    res = run_buggy(world, bug, checks.shard_inputs(qkv, W, layout), True, layout)
     trace = [e.to_dict() for e in res.trace]
     if words is None:
         checks.judge_ring(res.values, trace, qkv, True, layout, W)
-        checks.judge_ring_messages(trace, W, 4, 2, 8, 8)
+        checks.judge_ring_messages(sent(trace, W), W, 4, 2, 8)
         return
     with pytest.raises(CheckFailed, match=words):
         checks.judge_ring(res.values, trace, qkv, True, layout, W)
@@ -290,16 +301,16 @@ def test_ring_checks_see_kv_sent_the_wrong_way_and_masked_blocks_computed(world)
     W = 4
     qkv = checks.ring_inputs(1, 2, 16, 8, seed=8)
     shards = checks.shard_inputs(qkv, W, "contiguous")
-    res = world(4).run(buggy_ring_worker, "direction", shards, False, "contiguous")
+    res = run_buggy(world, "direction", shards, False, "contiguous")
     checks.judge_ring(res.values, [e.to_dict() for e in res.trace], qkv, False, "contiguous", W)   # output fine ...
-    with pytest.raises(CheckFailed, match="ring runs the other way"):                              # ... trace not
-        checks.judge_ring_messages([e.to_dict() for e in res.trace], W, 4, 2, 8, 8)
-    res = world(4).run(buggy_ring_worker, "compute_masked", shards, True, "contiguous")
+    with pytest.raises(CheckFailed, match="ring runs the other way"):                              # ... messages not
+        checks.judge_ring_messages(sent([e.to_dict() for e in res.trace], W), W, 4, 2, 8)
+    res = run_buggy(world, "compute_masked", shards, True, "contiguous")
     trace = [e.to_dict() for e in res.trace]
     checks.judge_ring(res.values, trace, qkv, True, "contiguous", W)
     with pytest.raises(CheckFailed, match="Skip fully masked blocks"):
         checks.judge_skipping(res.values, trace, W, 4)
-    res = world(4).run(buggy_ring_worker, "", shards, True, "contiguous")
+    res = run_buggy(world, "", shards, True, "contiguous")
     checks.judge_skipping(res.values, [e.to_dict() for e in res.trace], W, 4)
 
 

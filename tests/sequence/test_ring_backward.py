@@ -126,7 +126,7 @@ MUTANTS = {
     "diag_unmasked": (LEARNER, "was not masked"),
     "contiguous_rules": (LEARNER, "contiguous layout's causal rule"),
     "scaled_twice": (LEARNER, "the softmax scale 1/√D was applied twice"),
-    "dkv_backwards": (LEARNER, "must travel the same way round the ring"),
+    "dkv_backwards": (LEARNER, "runs the ring the other way round"),      # refused by the ring's send itself
 }
 
 
@@ -154,7 +154,7 @@ def test_the_reference_earns_full_marks_on_published_and_fresh_inputs_and_the_st
         (res,) = [r for r in results if r.exercise.id == "5a.5"]
         return res
     res = of(course_grades("reference")[0])
-    assert res.score == res.max_score == 11 and any(c.hidden for c in res.checks), _lost(res)
+    assert res.score == res.max_score == 13 and any(c.hidden for c in res.checks), _lost(res)   # 2 for how it sends
     fresh = of(fresh_course_grades[0])
     assert fresh.score == fresh.max_score, _lost(fresh)
     stub = of(course_grades("exercises")[0])
@@ -205,15 +205,14 @@ def test_grad_truth_is_torchs_own_attention_gradient():
 
 
 def test_the_message_judge_counts_kv_and_the_accumulators():
+    from exercises.grading.referee import SEND
     W, n, H, D = 4, 4, 2, 8
-    hop = 2 * n * H * D * 8
+    hop = 2 * n * H * D                     # K and V (or dK and dV) of one block, in elements
 
-    def trace(per_hop_bytes: list[int]):
-        return [ev for r in range(W) for b in per_hop_bytes
-                for ev in ({"op": "send", "rank": r, "peer": (r + 1) % W, "nbytes": b},
-                           {"op": "recv", "rank": r, "peer": (r - 1) % W, "nbytes": b})]
-    rb.judge_backward_messages(trace([hop] * 2 * (W - 1)), W, n, H, D, 8, 8)
+    def log(hops: int):                     # as the referee logs it: per rank, (op, peer, elements, allowed)
+        return [[(SEND, (r + 1) % W, hop, True)] * hops for r in range(W)]
+    rb.judge_backward_messages(log(2 * (W - 1)), W, n, H, D)
     with pytest.raises(core.CheckFailed, match="and nothing else"):
-        rb.judge_backward_messages(trace([hop] * (W - 1)), W, n, H, D, 8, 8)
+        rb.judge_backward_messages(log(W - 1), W, n, H, D)
     with pytest.raises(core.CheckFailed, match="one hop too many"):
-        rb.judge_backward_messages(trace([hop] * (2 * W - 1)), W, n, H, D, 8, 8)
+        rb.judge_backward_messages(log(2 * W - 1), W, n, H, D)

@@ -11,11 +11,28 @@ import torch.distributed as dist
 from reference import comm
 
 
+def ring_doors(r: int, w: int) -> dict[str, str]:
+    """The ring's checked kernels as a learner could try them: the wrong neighbour, another group."""
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = "ok"
+        except Exception as e:  # noqa: BLE001
+            out[name] = str(e).splitlines()[0][:200]
+    attempt("ring: backwards send", lambda: dist.isend(torch.ones(2), (r - 1) % w).wait())
+    attempt("ring: recv from the next", lambda: dist.irecv(torch.empty(2), (r + 1) % w).wait())
+    sub = dist.new_group([0, 1])                      # a group can still be made; messages on it cannot
+    attempt("ring: subgroup", lambda: dist.isend(torch.ones(2), 1 - r, group=sub).wait() if r < 2 else None)
+    return out
+
+
 def doors(allowed: tuple[str, ...]) -> dict[str, str]:
     """Install the guard, then try each way to a collective; report what happened to each.
     Point-to-point messages (and, where allowed, the all-to-all) must still work."""
     from exercises.grading.allowed_comm import allow_only
-    allow_only(allowed, "9.9")
+    allow_only(allowed, "9.9", ring="p2p" in allowed)          # point-to-point: round the ring only
     r, w = dist.get_rank(), dist.get_world_size()
     pg = dist.group.WORLD
     t = torch.ones(3)
@@ -24,6 +41,7 @@ def doors(allowed: tuple[str, ...]) -> dict[str, str]:
         x, y = torch.full((2,), float(r)), torch.zeros(2)
         comm.exchange([(x, (r + 1) % w)], [(y, (r - 1) % w)]).wait()
         out["p2p"] = "ok" if y.tolist() == [float((r - 1) % w)] * 2 else f"wrong {y.tolist()}"
+        out.update(ring_doors(r, w))
     if "all_to_all" in allowed:
         a, b = torch.full((w,), float(r)), torch.zeros(w)
         dist.all_to_all_single(b, a)

@@ -26,14 +26,21 @@ RANKS_TIMEOUT = 10.0
 # torch.distributed.pipelining (whose schedules hold the 1F1B table) is switched off; so are the
 # given functions that compute an answer by another road: the zero-bubble B (4.5's backward with
 # the graph kept), the planner's bubble and the schedules' own rules and slot measurement (4.6).
+# Mirrors: the other schedules' orders and the simulator (4.4, 4.6), the zero-bubble backward and the
+# trace readers (4.5); the executor that runs a schedule (schedule, validate_actions, run_pipeline) stays.
+_OTHER_ORDERS = tuple(f"reference.pipeline.schedules:{f}" for f in ("gpipe", "interleaved_one_f_one_b", "zb_h1",
+                                                                     "simulate", "measured_bubble", "peak_stash",
+                                                                     "render", "_slot_cost"))
 ORDER = exercise("4.4", "The 1F1B order of one stage", "pipeline", ["one_f_one_b"], comm=("p2p",),
-                 shortcuts=("pipelining",))
+                 shortcuts=("pipelining",), mirrors=_OTHER_ORDERS)
 STEP = exercise("4.5", "One stage, one micro-batch: forward_step and backward_step", "pipeline",
                 ["forward_step", "backward_step"], comm=("p2p",), shortcuts=("pipelining",),
-                mirrors=("reference.pipeline.executor:backward_input_step",))
+                mirrors=tuple(f"reference.pipeline.executor:{f}" for f in (
+                    "backward_input_step", "backward_weight_step", "_layer_outputs", "actions_from_trace",
+                    "peak_stashed_from_trace", "wall_clock_bubble")))
 BUBBLE = exercise("4.6", "The bubble fraction, by formula", "pipeline", ["bubble_fraction"], shortcuts=("pipelining",),
-                  mirrors=("reference.planner.counts:bubble_fraction", "reference.pipeline.schedules:_check",
-                           "reference.pipeline.schedules:measured_bubble", "reference.pipeline.lecture:slot_bubble"))
+                  mirrors=("reference.planner.counts:bubble_fraction", "reference.pipeline.schedules:*",
+                           "reference.pipeline.lecture:slot_bubble"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,12 +110,12 @@ def _short(order: list[tuple], n: int = 12) -> str:
     return text + (" …" if len(order) > n else "")
 
 
-@ORDER.check("p = 3 to 6, m from p+1 to 4p: every stage's order (warm-up, steady one-forward-one-backward, "
+@ORDER.check("p = 3 to 24, m from p+1 to 6p: every stage's order (warm-up, steady one-forward-one-backward, "
              "cool-down)", points=2)
 def _(ctx):
-    rng = random.Random(salted_seed(41))
-    p = rng.randint(3, 6)
-    _order_case(ctx, p, rng.randint(p + 1, 4 * p))
+    rng = random.Random(salted_seed(41))      # 1,485 (p, m) pairs, 24,475 stages' orders: too many to tabulate
+    p = rng.randint(3, 24)
+    _order_case(ctx, p, rng.randint(p + 1, 6 * p))
 
 
 @ORDER.check("m = p (no steady state left over) and a single stage (no warm-up at all)")

@@ -24,13 +24,18 @@ H = "exercises.grading.harness.tensor"
 # all-reduce carries at most a few numbers per token (XENT_MAX_TOKENS tokens in every case): the
 # point is never to gather the vocabulary's logits, by an all-gather or an all-reduce.
 XENT_MAX_TOKENS = 16
+# Mirrors: the other regions, layers and the vocabulary-parallel embedding of lecture 4a (sequence
+# parallelism, gathers, whole layers) are switched off where they sit next to the exercise.
 FG = exercise("4.1", "Megatron's f and g: the conjugate all-reduce operators", "tensor",
-              ["copy_to_tensor_region", "reduce_from_tensor_region"], comm=("all_reduce",), shortcuts=("dtensor",))
+              ["copy_to_tensor_region", "reduce_from_tensor_region"], comm=("all_reduce",), shortcuts=("dtensor",),
+              mirrors=("reference.tensor.regions:*",))
 MLP = exercise("4.2", "Column- and row-parallel linears forming a parallel MLP", "tensor",
                ["linear_shard", "column_parallel_linear", "row_parallel_linear"], comm=("all_reduce",),
-               shortcuts=("dtensor",))
+               shortcuts=("dtensor",), mirrors=("reference.tensor.layers:*", "reference.tensor.regions:*",
+                                                "reference.tensor.vocab:*"))
 XENT = exercise("4.3", "Vocabulary-parallel cross-entropy", "tensor", ["vocab_parallel_cross_entropy"],
-                comm=("all_reduce",), limits={"all_reduce": 3 * XENT_MAX_TOKENS}, shortcuts=("dtensor",))
+                comm=("all_reduce",), limits={"all_reduce": 3 * XENT_MAX_TOKENS}, shortcuts=("dtensor",),
+                mirrors=("reference.tensor.vocab:*",))
 
 HINTS = {
     "4.1": ["f is the identity going forward, g sums the ranks' partial results going forward. Every rank used the "
@@ -80,7 +85,8 @@ def _rand(seed: int, *shape, scale: float = 1.0, dtype=torch.float64):
 def _fg(ctx, which: str, W: int, seed: int):
     xs = [_rand(seed + r, 3, 5) for r in range(W)]
     grads = [_rand(seed + 100 + r, 3, 5) for r in range(W)]
-    res = ctx.ranks(W, f"{H}:fg_per_rank", which, xs, grads)
+    mine = [(xs[0], grads[r]) if which == "f" else (xs[r], grads[0]) for r in range(W)]
+    res = ctx.ranks(W, f"{H}:fg_per_rank", which, per_rank=mine)
     want_out = xs[0] if which == "f" else sum(xs)
     for r, v in enumerate(res.values):
         if not v["has_graph"]:
@@ -178,7 +184,7 @@ def _(ctx):
     weight, bias = _rand(seed, 12, 6), _rand(seed + 1, 12)
     for W in (2, 3):
         for style in ("column", "row"):
-            res = ctx.ranks(W, f"{H}:shard_per_rank", weight, bias, style)
+            res = ctx.ranks(W, f"{H}:shard_per_rank", weight, bias, style)   # the whole weight: cutting it is 4.2
             other_style = "row" if style == "column" else "column"
             for r, v in enumerate(res.values):
                 w, b = _shard_want(weight, bias, style, r, W)
@@ -233,10 +239,12 @@ def _mlp(ctx, W: int, seed: int, scale: float = 1.0, dtype=torch.float64, tol: f
     fc1 = (_rand(seed, dff, d, scale=0.5, dtype=dtype), _rand(seed + 1, dff, dtype=dtype))
     fc2 = (_rand(seed + 2, d, dff, scale=0.5, dtype=dtype), _rand(seed + 3, d, dtype=dtype))
     x, dout = _rand(seed + 4, T, d, scale=scale, dtype=dtype), _rand(seed + 5, T, d, dtype=dtype)
-    res = ctx.ranks(W, f"{H}:mlp_per_rank", fc1, fc2, x, dout)
+    n = dff // W
+    mine = [(fc1[0][r * n:(r + 1) * n], fc1[1][r * n:(r + 1) * n], fc2[0][:, r * n:(r + 1) * n], fc2[1], x, dout)
+            for r in range(W)]
+    res = ctx.ranks(W, f"{H}:mlp_per_rank", per_rank=[tuple(t.contiguous() for t in m) for m in mine])
     d64 = lambda t: t.double()   # noqa: E731
     full, partial = _mlp_truth((d64(fc1[0]), d64(fc1[1])), (d64(fc2[0]), d64(fc2[1])), d64(x), d64(dout), W)
-    n = dff // W
     for r, v in enumerate(res.values):
         kw = dict(rank=r, world_size=W, atol=tol, rtol=tol, detectors=[mlp_mistakes],
                   extra={"bias": full and d64(fc2[1]), "partial": partial})
@@ -313,12 +321,13 @@ def _xent(ctx, W: int, seed: int, scale: float, dtype=torch.float64, tol: float 
     if scale > 1:      # one confident token: its logits shifted by +100 (the softmax does not change)
         logits[1] += 100
     target = _targets(V, T, W, seed + 2)
-    res = ctx.ranks(W, f"{H}:xent_per_rank", logits, target, dloss)
+    n = V // W
+    res = ctx.ranks(W, f"{H}:xent_per_rank",
+                    per_rank=[(logits[:, r * n:(r + 1) * n].contiguous(), target, dloss) for r in range(W)])
     z = logits.double().clone().requires_grad_(True)
     loss = F.cross_entropy(z, target, reduction="none")
     loss.backward(dloss.double())
     edges = {i for r in range(W) for i in (r * V // W, (r + 1) * V // W - 1)}
-    n = V // W
     res.sizes = (T, V)
     for r, v in enumerate(res.values):
         kw = dict(rank=r, world_size=W, atol=tol, rtol=tol, detectors=[xent_mistakes],

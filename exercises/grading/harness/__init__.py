@@ -1,12 +1,15 @@
-"""Grader-owned functions that run inside the runner (and its ranks) and call learner code.
+"""Grader-owned functions that run inside the ranks and call learner code.
 
-Each takes the learner module's dotted name first.  They return plain values (tensors, numbers,
-lists, dicts) and never judge anything: judging happens in the grader process.  One module per
-lecture (``data``, ``tensor``, ``pipeline``, ``sequence``, ``moe``, ``compose``); this package holds the
-generic ones and :func:`guarded`, which every multi-rank call goes through: it switches off what
-the exercise's learner may not use (:func:`lock`), puts the given code back as it was frozen
-(:mod:`exercises.grading.frozen`), runs the harness, and refuses a result computed with changed
-given code.  The grader's checks (``exercises/grading/checks/``) are not imported here.
+Each takes the learner module's dotted name first; a multi-rank one takes this rank's own inputs
+next (``mine``: the slice of the check's inputs the runner sent to this rank alone), then what
+every rank shares.  They return plain values (tensors, numbers, lists, dicts) and never judge
+anything: judging happens in the grader process.  One module per lecture (``data``, ``tensor``,
+``pipeline``, ``sequence``, ``moe``, ``compose``); this package holds the generic ones and
+:func:`guarded`, which every call goes through: it switches off what the exercise's learner may
+not use (:func:`lock`), puts the given code back as it was frozen (:mod:`exercises.grading.frozen`),
+runs the harness, and refuses a result computed with changed given code — checked after each
+call of a learner function (:func:`function` returns it wrapped so).  The grader's checks
+(``exercises/grading/checks/``) are not imported here.
 """
 from __future__ import annotations
 
@@ -14,11 +17,55 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
-import torch
+
+def plain(obj: Any, strict: bool = False) -> Any:
+    """A value as plain data (tensors detached, named tuples as tuples, dataclasses as dicts): what a
+    rank sends back, so that the runner decodes nothing but plain values.  Anything else becomes a
+    string naming its type, or (``strict``) raises TypeError."""
+    import torch
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone() if not obj.is_cuda else obj.detach().cpu()
+    if isinstance(obj, (bool, int, float, str, type(None), torch.dtype, torch.Size)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [plain(o, strict) for o in obj] if isinstance(obj, list) else tuple(plain(o, strict) for o in obj)
+    if isinstance(obj, dict):
+        return {(k if isinstance(k, (str, int)) else str(k)): plain(v, strict) for k, v in obj.items()}
+    if hasattr(obj, "__dataclass_fields__"):
+        return {k: plain(getattr(obj, k), strict) for k in obj.__dataclass_fields__}
+    if strict:
+        raise TypeError(f"{type(obj).__name__} is not plain data")
+    return f"<{type(obj).__name__} not returned>"
 
 
 def function(module: str, name: str):
-    return getattr(importlib.import_module(module), name)
+    """The learner's ``module.name``, wrapped: after each call the given code is compared with its
+    snapshot by the verifier of :mod:`..frozen` — the one this wrapper was made with, read into the
+    call's own frame before the learner's code runs — before any given code runs on.  The verifier
+    knows the wrapper (:func:`..frozen.enlist`), so a wrapper changed to skip it is itself a change."""
+    from .. import frozen
+    fn = getattr(importlib.import_module(module), name)
+    if not callable(fn):
+        return fn
+    box = [frozen.watch()]
+
+    def checked(*args, **kwargs):
+        watcher = box[0]
+        value = fn(*args, **kwargs)
+        if watcher is not None:
+            frozen.raise_found(watcher.send(None))
+        return value
+    checked.__name__ = getattr(fn, "__name__", name)
+    frozen.enlist(checked, box)
+    return checked
+
+
+def _check() -> None:
+    """Compare the given code with its snapshot now (a harness that instruments given code itself,
+    and takes the instruments off again, checks after that)."""
+    from .. import frozen
+    if frozen.watch() is not None:
+        frozen.check()
 
 
 def lock(spec: dict, *, in_rank: bool) -> None:
@@ -33,10 +80,14 @@ def lock(spec: dict, *, in_rank: bool) -> None:
     switch_off(spec.get("shortcuts", ()), ex)
     switch_off_mirrors(spec.get("mirrors", ()), ex)
     if in_rank and spec.get("comm") is not None:
+        import os
+
         from ..allowed_comm import allow_only
         drivers = sorted(m for m in sys.modules if m == "reference" or m.startswith("reference."))
+        fd = os.environ.get("GRADER_REFEREE_FD")
         allow_only(spec["comm"], ex, limits=spec.get("limits"), driver=spec.get("driver_comm", ()),
-                   driver_modules=drivers if spec.get("driver_comm") else ())
+                   driver_modules=drivers if spec.get("driver_comm") else (), ring=bool(spec.get("ring")),
+                   counted=spec.get("counted", ()), referee_fd=int(fd) if fd else None)
 
 
 def import_learner(module: str) -> None:
@@ -49,28 +100,38 @@ def import_learner(module: str) -> None:
             raise
 
 
-def guarded(module: str, spec: dict, harness: str, *args: Any) -> Any:
-    """On a rank: :func:`lock` the exercise, restore the frozen given code, run
-    ``harness(module, *args)``, then refuse the result if the learner's code changed given code."""
+def guarded(module: str, spec: dict, harness: str, local: bool, *args: Any) -> Any:
+    """On a rank: :func:`lock` the exercise, restore the frozen given code, then run
+    ``harness(module, *args)`` (``local``) or ``harness(module, mine, *shared)`` (``args`` is
+    ``(*shared, mine)``: this rank's own inputs come last from the runner), and refuse the result if
+    the learner's code changed given code."""
     from .. import frozen
     if frozen.current() is None:          # a spawned rank (GRADER_SPAWN=1): freeze here, before any learner code
         lock(spec, in_rank=False)
         frozen.load_given()
         frozen.take()
     lock(spec, in_rank=True)
+    watcher, raise_found = frozen.watch(), frozen.raise_found    # held in this frame from here on
     snapshot = frozen.current()
     snapshot.restore()
+    raise_found(watcher.send(None))   # what an earlier call left behind is undone, or the call refused
+    frozen.check_threads()            # the first call in this process counts the threads it started with
     import_learner(module)            # what the learner's module changes as it is imported ...
     snapshot.restore()                # ... is undone; what its functions change while they run is refused
     mod, _, name = harness.partition(":")
-    value = getattr(importlib.import_module(mod), name)(module, *args)
-    snapshot.verify()
-    return value
+    fn = getattr(importlib.import_module(mod), name)
+    value = fn(module, *args) if local else fn(module, args[-1], *args[:-1])
+    found = watcher.send(None)        # the verifier this frame took before any learner code of this call
+    if found:
+        raise_found(found)
+        raise RuntimeError("the given code was changed: " + "; ".join(found[:3]))   # raise_found was swapped
+    return plain(value)
 
 
-def call(module: str, name: str, args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
-    """``module.name(*args, **kwargs)`` in one process."""
-    return function(module, name)(*args, **(kwargs or {}))
+def call(module: str, name: str, args: Sequence[Any] = (), kwargs: dict | None = None,
+         return_inputs: bool = False) -> Any:
+    """``module.name(*args, **kwargs)`` in one process (``return_inputs``: as :func:`call_per_rank`)."""
+    return call_per_rank(module, args, name, kwargs, return_inputs)
 
 
 def raises(module: str, name: str, args: Sequence[Any] = (), kwargs: dict | None = None) -> str | None:
@@ -82,26 +143,13 @@ def raises(module: str, name: str, args: Sequence[Any] = (), kwargs: dict | None
     return None
 
 
-def call_per_rank(module: str, name: str, per_rank_args: Sequence[Sequence[Any]], kwargs: dict | None = None) -> Any:
-    """On each rank r: ``module.name(*per_rank_args[r], **kwargs)``."""
-    import torch.distributed as dist
-    r = dist.get_rank()
-    return function(module, name)(*per_rank_args[r], **(kwargs or {}))
-
-
-def grad_per_rank(module: str, name: str, per_rank_args: Sequence[Sequence[Any]], grad_index: Sequence[int],
-                  grad_outputs: Sequence[Any], kwargs: dict | None = None) -> dict[str, Any]:
-    """On each rank r: call with ``per_rank_args[r]`` (the args at ``grad_index`` require grad), then
-    backpropagate ``grad_outputs[r]`` (one per output; None to skip an output).
-
-    Returns ``{"out": outputs, "grads": [grad of each arg in grad_index]}``.
-    """
-    import torch.distributed as dist
-    r = dist.get_rank() if dist.is_initialized() else 0
-    args = [a.detach().clone().requires_grad_(True) if i in grad_index else a for i, a in enumerate(per_rank_args[r])]
-    out = function(module, name)(*args, **(kwargs or {}))
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    pairs = [(o, g) for o, g in zip(outs, grad_outputs[r]) if g is not None]
-    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-    return {"out": [o.detach() for o in outs] if isinstance(out, (tuple, list)) else out.detach(),
-            "grads": [args[i].grad for i in grad_index]}
+def call_per_rank(module: str, mine: Sequence[Any], name: str, kwargs: dict | None = None,
+                  return_inputs: bool = False) -> Any:
+    """On each rank: ``module.name(*mine, **kwargs)`` — ``mine`` is this rank's arguments.
+    ``return_inputs``: ``{"value": ..., "inputs": mine as they are after the call, "aliases": which of them
+    the value IS}`` (the grader compares them with what it sent: an exercise that promises to leave its
+    input alone and return a new tensor)."""
+    value = function(module, name)(*mine, **(kwargs or {}))
+    if not return_inputs:
+        return value
+    return {"value": value, "inputs": list(mine), "aliases": [i for i, a in enumerate(mine) if a is value]}

@@ -1,4 +1,5 @@
-"""Lecture 5b's harness: rank functions that call the learner's 5b.1–5b.4 and return plain values."""
+"""Lecture 5b's harness: rank functions that call the learner's 5b.1–5b.4 and return plain values.
+Each rank gets its own tokens, routing and gradients only (``mine``)."""
 from __future__ import annotations
 
 import torch
@@ -11,11 +12,11 @@ def gating_call(module: str, logits, k, capacity):
     return dict(out) if isinstance(out, dict) else out
 
 
-def aux_per_rank(module: str, per_rank, num_experts: int):
-    """On each rank: the learner's loss over the world group, and its gradient w.r.t. this rank's probs."""
+def aux_per_rank(module: str, mine: tuple, num_experts: int):
+    """On each rank: the learner's loss over the world group, and its gradient w.r.t. this rank's
+    probs (``mine = (probs, expert_index)``)."""
     import torch.distributed as dist
-    r = dist.get_rank()
-    probs, idx = per_rank[r]
+    probs, idx = mine
     probs = probs.clone().requires_grad_(True)
     loss = _fn(module, "load_balancing_loss")(probs, idx, num_experts, group=dist.group.WORLD)
     grad = None
@@ -25,13 +26,14 @@ def aux_per_rank(module: str, per_rank, num_experts: int):
     return {"loss": loss.detach() if isinstance(loss, torch.Tensor) else loss, "grad": grad}
 
 
-def dispatch_combine_per_rank(module: str, per_rank, num_experts: int, capacity: int, grad_outs, backward: bool):
-    """On each rank: buffer = dispatch(x); y = combine(toy_experts(buffer)); backprop ``grad_outs[r]``."""
+def dispatch_combine_per_rank(module: str, mine: tuple, num_experts: int, capacity: int, backward: bool):
+    """On each rank: buffer = dispatch(x); y = combine(toy_experts(buffer)); backprop the output
+    gradient (``mine = (x, routing, grad_out)``)."""
     import torch.distributed as dist
 
     from reference.moe.oracles import toy_experts
     r, W = dist.get_rank(), dist.get_world_size()
-    x, routing = per_rank[r]
+    x, routing, grad_out = mine
     x = x.clone().requires_grad_(backward)
     routing = dict(routing)
     routing["weight"] = routing["weight"].clone().requires_grad_(backward)
@@ -42,13 +44,14 @@ def dispatch_combine_per_rank(module: str, per_rank, num_experts: int, capacity:
     out = {"buffer": buf.detach(), "out": y.detach() if isinstance(y, torch.Tensor) else y,
            "grad_x": None, "grad_weight": None, "has_graph": bool(getattr(y, "requires_grad", False))}
     if backward and out["has_graph"]:
-        y.backward(grad_outs[r])
+        y.backward(grad_out)
         out["grad_x"], out["grad_weight"] = x.grad, routing["weight"].grad
     return out
 
 
-def grad_sync_per_rank(module: str, dense_grads, expert_grads, ep: int):
-    """On each rank: parameters whose ``.grad`` hold this rank's local gradients; the learner syncs them.
+def grad_sync_per_rank(module: str, mine: tuple, ep: int):
+    """On each rank: parameters whose ``.grad`` hold this rank's local gradients (``mine = (dense,
+    experts)``); the learner syncs them.
 
     Groups (as in reference.moe.grad_sync): dp_group = the world; expert_dp_group of rank r =
     {r mod EP, r mod EP + EP, ...} (the ranks holding the same experts).
@@ -67,6 +70,6 @@ def grad_sync_per_rank(module: str, dense_grads, expert_grads, ep: int):
             p.grad = g.clone()
             ps.append(p)
         return ps
-    dense, experts = params(dense_grads[r]), params(expert_grads[r])
+    dense, experts = params(mine[0]), params(mine[1])
     _fn(module, "sync_moe_gradients")(dense, experts, dp_group=dp_group, expert_dp_group=groups[r % ep])
     return {"dense": [p.grad for p in dense], "experts": [p.grad for p in experts]}

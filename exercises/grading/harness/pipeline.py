@@ -3,7 +3,7 @@ functions while it is graded), with wires of the grader's own that record every 
 from __future__ import annotations
 
 
-def pipeline_step(module: str, schedule: str, num_microbatches: int, kwargs: dict) -> dict:
+def pipeline_step(module: str, mine: None, schedule: str, num_microbatches: int, kwargs: dict) -> dict:
     """On each rank: one step of the reference executor (which calls the learner's functions).
     Returns the loss, this rank's gradients, and what each of its stages sent and received through
     its :class:`~reference.pipeline.executor.Link`, in order: ``{stage: [(call, micro-batch), ...]}``."""

@@ -1,5 +1,5 @@
 """Lecture 5a's harness: rank functions around the learner's 5a.2–5a.5 (the rings' kernel calls are
-counted here, by grader code, as feedback)."""
+counted here, by grader code, as feedback).  Each rank gets its own shard only (``mine``)."""
 from __future__ import annotations
 
 import contextlib
@@ -23,13 +23,14 @@ def tokens_tensor(shape: tuple[int, ...], dim: int) -> torch.Tensor:
 
 
 def shard_harness(module: str, cases: list[tuple]) -> list[Any]:
-    """Runs in the runner: shard_sequence for each (x, rank, W, layout, dim); exceptions come back as
+    """Runs in one process: shard_sequence for each (x, rank, W, layout, dim); exceptions come back as
     ``{"raised": type name, "message": ...}`` (NotImplementedError propagates)."""
-    mod = importlib.import_module(module)
+    from . import function
+    shard = function(module, "shard_sequence")
     out = []
     for x, r, W, layout, dim in cases:
         try:
-            y = mod.shard_sequence(x, r, W, layout, dim)
+            y = shard(x, r, W, layout, dim)
             out.append({"value": y, "contiguous": bool(y.is_contiguous()) if isinstance(y, torch.Tensor) else None,
                         "input_intact": bool(torch.equal(x, tokens_tensor(tuple(x.shape), dim)))})
         except NotImplementedError:
@@ -40,8 +41,9 @@ def shard_harness(module: str, cases: list[tuple]) -> list[Any]:
 
 
 def unshard_harness(module: str, cases: list[tuple]) -> list[Any]:
-    mod = importlib.import_module(module)
-    return [mod.unshard_sequence(list(shards), layout, dim) for shards, layout, dim in cases]
+    from . import function
+    unshard = function(module, "unshard_sequence")
+    return [unshard(list(shards), layout, dim) for shards, layout, dim in cases]
 
 
 class _Counter:
@@ -71,11 +73,12 @@ class _Counter:
 
 @contextlib.contextmanager
 def _counting(mod, names: tuple[str, ...], counter: _Counter):
-    """Within: the kernels ``names`` of the learner's module and of the given blockwise module count
-    their calls into ``counter``; put back afterwards."""
-    from reference.sequence import blockwise
+    """Within: the kernels ``names`` as the learner's module names them count their calls into
+    ``counter``; put back afterwards.  (The given blockwise module is left alone: given code is not
+    changed while learner code runs.  A ring that reaches the kernels another way is counted from
+    its trace instead.)"""
     patched = []
-    for owner in {id(mod): mod, id(blockwise): blockwise}.values():
+    for owner in (mod,):
         for name in names:
             if hasattr(owner, name):
                 patched.append((owner, name, getattr(owner, name)))
@@ -87,53 +90,88 @@ def _counting(mod, names: tuple[str, ...], counter: _Counter):
             setattr(owner, name, fn)
 
 
-def ring_harness(module: str, shards: list[tuple], causal: bool, layout: str) -> dict[str, Any]:
-    """On each rank: the learner's ring_attention_forward on its shard; also the kernel calls it made."""
-    import torch.distributed as dist
-
-    r = dist.get_rank()
+def ring_harness(module: str, mine: tuple, causal: bool, layout: str, inputs: bool = True) -> dict[str, Any]:
+    """On each rank: the learner's ring_attention_forward on this rank's shard ``mine = (q, k, v)``;
+    also the kernel calls it made, and (``inputs``) its inputs as they are afterwards."""
+    from . import _check
     mod = importlib.import_module(module)
-    q, k, v = shards[r]
+    q, k, v = mine
     with _counting(mod, ("attention_block", "attention_block_explicit"), _Counter()) as counter:
         res = mod.ring_attention_forward(q, k, v, causal=causal, layout=layout)
+    _check()                          # after the counters are off the given kernels again
+    after = {"inputs": [q, k, v]} if inputs else {}
     if not isinstance(res, (tuple, list)) or len(res) != 2:
-        return {"bad_return": type(res).__name__}
-    return {"out": res[0], "lse": res[1], "calls": counter.calls}
+        return {"bad_return": type(res).__name__, **after}
+    return {"out": res[0], "lse": res[1], "calls": counter.calls, **after}
 
 
-def ring_backward_harness(module: str, shards: list[tuple], causal: bool, layout: str) -> dict[str, Any]:
-    """On each rank: the learner's ring_attention_backward on its shard ``(dout, q, k, v, out, lse)``
-    (out and lse: the grader's float64 truth, in the inputs' dtype); also the block-backward calls."""
-    import torch.distributed as dist
-
-    r = dist.get_rank()
+def ring_backward_harness(module: str, mine: tuple, causal: bool, layout: str, inputs: bool = True) -> dict[str, Any]:
+    """On each rank: the learner's ring_attention_backward on this rank's shard ``mine = (dout, q, k,
+    v, out, lse)`` (out and lse: the grader's float64 truth, in the inputs' dtype); also the
+    block-backward calls, and (``inputs``) the inputs as they are afterwards."""
+    from . import _check
     mod = importlib.import_module(module)
-    dout, q, k, v, out, lse = shards[r]
+    dout, q, k, v, out, lse = mine
     names = ("attention_block_backward", "attention_block_backward_explicit")
     with _counting(mod, names, _Counter(first=1)) as counter:
         res = mod.ring_attention_backward(dout, q, k, v, out, lse, causal=causal, layout=layout)
+    _check()
+    after = {"inputs": list(mine)} if inputs else {}
     if not isinstance(res, (tuple, list)) or len(res) != 3:
-        return {"bad_return": type(res).__name__}
-    return {"dq": res[0], "dk": res[1], "dv": res[2], "calls": counter.calls}
+        return {"bad_return": type(res).__name__, **after}
+    return {"dq": res[0], "dk": res[1], "dv": res[2], "calls": counter.calls, **after}
 
 
-def ulysses_harness(module: str, seq_shards: list[torch.Tensor], head_shards: list[torch.Tensor]) -> dict:
-    import torch.distributed as dist
-    mod = importlib.import_module(module)
-    r = dist.get_rank()
-    a = mod.seq_to_heads(seq_shards[r])
-    b = mod.heads_to_seq(head_shards[r])
-    back = mod.heads_to_seq(a) if isinstance(a, torch.Tensor) else None
-    return {"seq_to_heads": a, "heads_to_seq": b, "round_trip": back}
+def ulysses_harness(module: str, mine: tuple) -> dict:
+    """On each rank: seq_to_heads of this rank's sequence shard, heads_to_seq of its head shard
+    (``mine``), and the round trip; with the inputs as they are afterwards."""
+    from . import function
+    seq_shard, head_shard = mine
+    a = function(module, "seq_to_heads")(seq_shard)
+    b = function(module, "heads_to_seq")(head_shard)
+    back = function(module, "heads_to_seq")(a) if isinstance(a, torch.Tensor) else None
+    return {"seq_to_heads": a, "heads_to_seq": b, "round_trip": back, "inputs": [seq_shard, head_shard]}
 
 
-def ulysses_error_harness(module: str, shards: list[torch.Tensor]) -> dict:
-    import torch.distributed as dist
-    mod = importlib.import_module(module)
+def ulysses_error_harness(module: str, mine: torch.Tensor) -> dict:
+    from . import function
     try:
-        mod.seq_to_heads(shards[dist.get_rank()])
+        function(module, "seq_to_heads")(mine)
     except NotImplementedError:
         raise
     except Exception as e:  # noqa: BLE001
         return {"raised": type(e).__name__, "message": str(e)[:300]}
     return {"raised": None}
+
+
+def _shard_from_seed(seed: int, shape: tuple, count: int) -> list[torch.Tensor]:
+    """``count`` float64 tensors of ``shape`` drawn from ``seed`` (a rank's own inputs, made in the
+    rank itself: nothing of them travels)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(count)]
+
+
+def ring_memory_harness(module: str, mine: tuple, causal: bool, shape: tuple) -> dict[str, Any]:
+    """On each rank: q, k, v drawn from this rank's seed (``mine``: the seed, and a probe vector u),
+    then the learner's ring_attention_forward (contiguous layout).  Returns out·u and lse: enough for
+    the grader to check the values, little to send back (the runner caps this rank's memory)."""
+    from . import function
+    seed, u = mine
+    q, k, v = _shard_from_seed(seed, shape, 3)
+    res = function(module, "ring_attention_forward")(q, k, v, causal=causal, layout="contiguous")
+    if not isinstance(res, (tuple, list)) or len(res) != 2 or not isinstance(res[0], torch.Tensor):
+        return {"bad_return": type(res).__name__}
+    return {"out_u": res[0].double() @ u, "lse": res[1]}
+
+
+def ring_backward_memory_harness(module: str, mine: tuple, causal: bool, shape: tuple) -> dict[str, Any]:
+    """On each rank: dout, q, k, v drawn from this rank's seed; out and lse (the forward's, from the
+    grader) in ``mine`` with the seed and a probe vector u.  Returns dq·u, dk·u, dv·u."""
+    from . import function
+    seed, out, lse, u = mine
+    dout, q, k, v = _shard_from_seed(seed, shape, 4)
+    res = function(module, "ring_attention_backward")(dout, q, k, v, out, lse, causal=causal, layout="contiguous")
+    if not isinstance(res, (tuple, list)) or len(res) != 3:
+        return {"bad_return": type(res).__name__}
+    return {f"{name}_u": g.double() @ u if isinstance(g, torch.Tensor) else g
+            for name, g in zip(("dq", "dk", "dv"), res)}

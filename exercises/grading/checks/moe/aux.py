@@ -5,9 +5,10 @@ import torch
 
 from ...core import exercise, salted_seed
 from ...feedback import Mismatch
-from .common import ORACLES, REF, H
+from .common import ROUTING_MIRRORS, ORACLES, REF, H
 
-AUX = exercise("5b.2", "The load-balancing loss, group-wide", "moe", ["load_balancing_loss"])
+AUX = exercise("5b.2", "The load-balancing loss, group-wide", "moe", ["load_balancing_loss"],
+               mirrors=ROUTING_MIRRORS)
 
 
 def _aux_inputs(sizes, E: int, k: int, seed: int, scale: float = 1.5):
@@ -83,7 +84,7 @@ def _aux_case(ctx, sizes, E: int, k: int, seed: int, case: str, grads: bool = Fa
     W = len(sizes)
     probs = torch.cat([p for p, _ in per_rank])
     idx = torch.cat([i for _, i in per_rank])
-    res = ctx.ranks(W, f"{H}:aux_per_rank", per_rank, E)
+    res = ctx.ranks(W, f"{H}:aux_per_rank", E, per_rank=per_rank)
     want = ctx.oracle(f"{ORACLES}:aux_loss_and_grad", probs, idx, E)
     local = [ctx.oracle(f"{REF}:load_balancing_loss", p, i, E) for p, i in per_rank]
     extra = {"k": k, "E": E, "local": local, "values": [v.get("loss") for v in res.values], "sizes": list(sizes),
@@ -125,13 +126,13 @@ def _(ctx):
     g = torch.Generator().manual_seed(salted_seed(23))
     uniform = torch.full((T, E), 1.0 / E, dtype=torch.float64)
     idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
-    res = ctx.ranks(1, f"{H}:aux_per_rank", [(uniform, idx)], E)
+    res = ctx.ranks(1, f"{H}:aux_per_rank", E, per_rank=[(uniform, idx)])
     ctx.compare(res.values[0]["loss"], torch.tensor(1.0, dtype=torch.float64), "load-balancing loss",
                 atol=1e-12, rtol=0, case="uniform probabilities, k=2", detectors=AUX_DETECT, extra={"k": 2, "E": E})
     eps = 1e-9
     collapsed = torch.full((T, E), eps / (E - 1), dtype=torch.float64)
     collapsed[:, 0] = 1 - eps
-    res = ctx.ranks(1, f"{H}:aux_per_rank", [(collapsed, torch.zeros(T, 1, dtype=torch.long))], E)
+    res = ctx.ranks(1, f"{H}:aux_per_rank", E, per_rank=[(collapsed, torch.zeros(T, 1, dtype=torch.long))])
     want = ctx.oracle(f"{REF}:load_balancing_loss", collapsed, torch.zeros(T, 1, dtype=torch.long), E)
     ctx.compare(res.values[0]["loss"], want, "load-balancing loss", atol=1e-12, rtol=0,
                 case="every token on expert 0 with probability 1 − 1e-9, k=1", detectors=AUX_DETECT,

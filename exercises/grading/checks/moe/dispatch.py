@@ -8,7 +8,7 @@ from ...feedback import Mismatch
 from .common import ORACLES, REF, H
 
 DISPATCH = exercise("5b.3", "Dispatch and combine through all-to-all", "moe", ["dispatch", "combine"],
-                    comm=("all_to_all",))
+                    comm=("all_to_all",), mirrors=("reference.moe.parallel:*", "reference.moe.assignments:*"))
 
 
 def _dispatch_inputs(ctx, W: int, T: int, E: int, k: int, cf: float, seed: int, d: int = 3, hot=None):
@@ -91,7 +91,8 @@ def combine_weights_wrong(m: Mismatch) -> str | None:
 def _dispatch_case(ctx, W: int, T: int, E: int, k: int, cf: float, seed: int, case: str, *, backward: bool = True,
                    hot=None):
     per_rank, grads, C = _dispatch_inputs(ctx, W, T, E, k, cf, seed, hot=hot)
-    res = ctx.ranks(W, f"{H}:dispatch_combine_per_rank", per_rank, E, C, grads, backward)
+    res = ctx.ranks(W, f"{H}:dispatch_combine_per_rank", E, C, backward,
+                    per_rank=[(x, routing, grads[r]) for r, (x, routing) in enumerate(per_rank)])
     bufs = _expected_buffers(ctx, per_rank, E, C)
     case = f"{case}, C={C}"
     for r, v in enumerate(res.values):

@@ -5,9 +5,10 @@ import torch
 
 from ...core import exercise, salted_seed
 from ...feedback import Mismatch
-from .common import KEYS, REF, H
+from .common import ROUTING_MIRRORS, KEYS, REF, H
 
-GATING = exercise("5b.1", "Top-1 and top-2 gating with capacity", "moe", ["top_k_gating"])
+GATING = exercise("5b.1", "Top-1 and top-2 gating with capacity", "moe", ["top_k_gating"],
+                  mirrors=ROUTING_MIRRORS)
 
 
 def _logits(T: int, E: int, seed: int, scale: float = 2.0, dtype=torch.float64, hot: dict | None = None):
@@ -97,8 +98,8 @@ def second_choice_took_slots(m: Mismatch) -> str | None:
         if (len(first) and len(later) and int(later.min()) < int(first.max())) or (dropped_first and len(later)):
             return (f"on expert {e}, a second choice holds a buffer slot ahead of a first choice: slots were "
                     "handed out in token order across both choices. GShard fills EVERY token's first choice "
-                    "before any second choice: count in the order (j=0, t=0..T-1), then (j=1, t=0..T-1) — "
-                    "e.g. one_hot(expert_index).transpose(0, 1).reshape(k*T, E) before the cumsum.")
+                    "before any second choice: count the assignments in the order (j=0, t=0..T-1), then "
+                    "(j=1, t=0..T-1) — choice-major, not token-major.")
     return None
 
 
@@ -206,8 +207,9 @@ HINTS = {
         "before any second choice; an assignment whose slot reaches the capacity is dropped.",
         "k = 1: the weight is the raw probability; k >= 2: divide the k probabilities by their sum, before any "
         "dropping. one_hot(expert_index, E) is (T, k, E): put it in priority order, choice-major.",
-        "order = one_hot(expert_index, E).transpose(0, 1).reshape(k*T, E); a cumsum down that order minus one, "
-        "times the one-hot, counts the assignments to the same expert before each one: that is the slot. "
-        "kept = slot < capacity (all kept if capacity is None); slot = -1 where dropped.",
+        "Lay the one-hot choices out choice-major — every token's first choice, then every second choice — as "
+        "k·T rows of E columns. A running count down each expert's column, minus one, on the rows that chose it, "
+        "is the number of assignments to that expert before this one: the slot. An assignment is kept while its "
+        "slot is below the capacity (all are, with capacity None); a dropped one gets slot −1.",
     ],
 }

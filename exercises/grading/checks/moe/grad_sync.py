@@ -17,10 +17,11 @@ def off_by_ep_size(m: Mismatch) -> str | None:
     g, e = m.got.double().flatten(), m.expected.double().flatten()
     for c, words in ((ep, f"exactly EP = {ep}× the true one"), (1 / ep, f"exactly 1/EP = 1/{ep} of the true one")):
         if torch.allclose(g, c * e, rtol=1e-9, atol=1e-12):
+            holders = m.world_size // ep
             return (f"your {m.what} is {words}: did you divide by the expert-data-parallel size "
-                    f"({m.world_size // ep} ranks hold each expert) instead of the data-parallel size "
-                    f"({m.world_size})? The all-to-all already summed the EP group's tokens into each expert's "
-                    "gradient; sum over expert_dp_group, then divide by the FULL data-parallel size.")
+                    f"({holders} {'rank holds' if holders == 1 else 'ranks hold'} each expert) instead of the "
+                    f"data-parallel size ({m.world_size})? The all-to-all already summed the EP group's tokens into "
+                    "each expert's gradient; sum over expert_dp_group, then divide by the FULL data-parallel size.")
     return None
 
 
@@ -50,7 +51,7 @@ def dense_not_averaged(m: Mismatch) -> str | None:
 
 def _grad_sync_case(ctx, W: int, ep: int, seed: int, case: str):
     data = ctx.oracle(f"{ORACLES}:ep_dp_local_grads", W, ep, seed)
-    res = ctx.ranks(W, f"{H}:grad_sync_per_rank", data["dense"], data["experts"], ep)
+    res = ctx.ranks(W, f"{H}:grad_sync_per_rank", ep, per_rank=list(zip(data["dense"], data["experts"])))
     for r, v in enumerate(res.values):
         for i, (g, want) in enumerate(zip(v["dense"], data["want_dense"])):
             ctx.compare(g, want, f"dense (router) gradient {i}", rank=r, world_size=W, atol=1e-12, rtol=1e-10,

@@ -9,14 +9,27 @@ from ...core import CheckFailed, exercise
 from ...feedback import Mismatch, compare
 from .common import H, _randn, attention
 
-MERGE = exercise("5a.1", "Merge two partial attention results (online softmax)", "sequence", ["merge_attention"])
+MERGE = exercise("5a.1", "Merge two partial attention results (online softmax)", "sequence", ["merge_attention"],
+                 mirrors=("reference.sequence.blockwise:*",))
+
+
+NO_MAX = ("no running max: with large logits e^{lse} overflows to inf — the textbook merge log(e^{lse_a} + "
+          "e^{lse_b}) gives lse = inf, and then weights e^{lse_a − lse} = 0 (an out of zeros) or inf/inf = NaN. "
+          "The merge needs the running max: with m = max(lse_a, lse_b) use e^{lse_a − m} and e^{lse_b − m} (one of "
+          "them is 1, neither overflows).")
 
 
 def merge_no_max(m: Mismatch) -> str | None:
-    naive = m.extra.get("naive")
-    if m.has_nonfinite and isinstance(naive, torch.Tensor) and not bool(torch.isfinite(naive).all()):
-        return ("NaN/inf with large logits: e^{lse} overflows. The merge needs the running max — with "
-                "m = max(lse_a, lse_b) use e^{lse_a − m} and e^{lse_b − m} (one of them is 1).")
+    """The textbook merge without the running max, in either of its two forms: as a ratio of
+    exponentials (NaN) or through lse = log(e^{lse_a} + e^{lse_b}) (inf, and an out of zeros)."""
+    naive, ratio = m.extra.get(f"naive_{m.what}"), m.extra.get("naive")
+    if not isinstance(m.got, torch.Tensor) or not isinstance(ratio, torch.Tensor) or bool(torch.isfinite(ratio).all()):
+        return None                           # no overflow on these inputs: the max is not what went wrong
+    if m.has_nonfinite:
+        return NO_MAX
+    if isinstance(naive, torch.Tensor) and naive.shape == m.got.shape \
+            and torch.allclose(m.got.double(), naive, atol=1e-9, equal_nan=True):
+        return NO_MAX
     return None
 
 
@@ -78,11 +91,14 @@ def merge_case(B: int, Hh: int, Sq: int, Sa: int, Sb: int, D: int, seed: int, sc
     with torch.no_grad():
         den = torch.exp(lse_a) + torch.exp(lse_b)
         naive = (torch.exp(lse_a).unsqueeze(-1) * out_a + torch.exp(lse_b).unsqueeze(-1) * out_b) / den.unsqueeze(-1)
+        naive_lse = torch.log(den)                                  # the textbook merge, no running max
+        naive_out = (torch.exp(lse_a - naive_lse).unsqueeze(-1) * out_a
+                     + torch.exp(lse_b - naive_lse).unsqueeze(-1) * out_b)
         wa, wb = torch.exp(lse_a - lse).unsqueeze(-1), torch.exp(lse_b - lse).unsqueeze(-1)
         swapped = wb * out_a + wa * out_b
     return {"args": (out_a, lse_a, out_b, lse_b), "out": out, "lse": lse,
-            "extra": {"naive": naive, "swapped": swapped, "out_a": out_a, "out_b": out_b,
-                      "lse_a": lse_a, "lse_b": lse_b}}
+            "extra": {"naive": naive, "naive_out": naive_out, "naive_lse": naive_lse, "swapped": swapped,
+                      "out_a": out_a, "out_b": out_b, "lse_a": lse_a, "lse_b": lse_b}}
 
 
 def judge_merge(got: Any, case: dict[str, Any], words: str) -> None:
@@ -96,8 +112,12 @@ def judge_merge(got: Any, case: dict[str, Any], words: str) -> None:
 
 
 def _merge_check(ctx, case: dict[str, Any], words: str) -> None:
-    got = ctx.local(f"{H}:call", "merge_attention", case["args"])
-    judge_merge(got, case, words)
+    got = ctx.local(f"{H}:call", "merge_attention", case["args"], None, True)
+    for name, before, after in zip(("out_a", "lse_a", "out_b", "lse_b"), case["args"], got["inputs"]):
+        if not (isinstance(after, torch.Tensor) and after.shape == before.shape and torch.equal(after, before)):
+            raise CheckFailed(f"merge_attention changed its input {name} [{words}]: return new tensors and leave the "
+                              "inputs as they were (a ring merges into a running result it still needs).")
+    judge_merge(got["value"], case, words)
 
 
 @MERGE.check("matches attention over both blocks in float64 (batch 2, 3 heads, blocks of 5 and 7 keys)", points=2)

@@ -7,9 +7,37 @@ import torch
 
 from ...core import CheckFailed, exercise
 from ...feedback import Mismatch, compare
+from ...referee import SEND, rules
 from .common import ME, RANKS_TIMEOUT, _randn, attention, layout_positions
 
-RING = exercise("5a.3", "Ring attention forward", "sequence", ["ring_attention_forward"], comm=("p2p",))
+RING = exercise("5a.3", "Ring attention forward", "sequence", ["ring_attention_forward"], comm=("p2p",), ring=True,
+                mirrors=("reference.sequence.blockwise:blockwise_attention",))
+
+
+def kv_rules(shard: tuple, W: int, hops: int = 1, accumulators: bool = False) -> dict:
+    """The referee's rules for a ring attention call on ``W`` ranks, ``shard`` = one rank's (q, k, v, …):
+    one message carries at most one rank's K/V block (K and V, or dK and dV, alone or stacked);
+    ``hops``·(W−1) hops of K/V (+ as many of dK/dV ``accumulators``), two messages each."""
+    q, k, v = shard[-3:] if len(shard) == 3 else shard[1:4]
+    block = k.numel() + v.numel()
+    kinds = 2 if accumulators else 1
+    what = "K/V, then the dK/dV accumulators," if accumulators else "K/V"
+    return rules(max_elems=block, max_sends=2 * kinds * (W - 1), max_total=kinds * (W - 1) * block,
+                 block=f"one rank's K/V block ({k.numel()} + {v.numel()} elements)",
+                 why=f"In the ring {what} move one hop per step, W−1 hops: a rank never sends its Q, and never "
+                     "more than one block at a time.")
+
+
+def judge_inputs_kept(values: list, shards: list, names: tuple[str, ...]) -> None:
+    """The learner's ring left every input tensor as it was sent."""
+    for r, (res, sent) in enumerate(zip(values, shards)):
+        after = res.get("inputs") if isinstance(res, dict) else None
+        if after is None:
+            continue
+        for name, a, b in zip(names, after, sent):
+            if not (isinstance(a, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)):
+                raise CheckFailed(f"your ring changed its input {name} on rank {r}: the inputs must be left as they "
+                                  "were (receive into buffers of your own; never into the caller's k and v).")
 
 
 # Wrong causal rules a learner's ring may follow, as block masks: (rank r's queries, rank j's keys)
@@ -24,6 +52,8 @@ def block_keep(rule: str, layout: str, S: int, W: int, r: int, j: int) -> torch.
     local_causal = torch.ones(n, n, dtype=torch.bool).tril()
     if rule == "truth":
         return truth
+    if rule == "causal_every_block":
+        return local_causal
     if rule == "no_mask":
         return torch.ones(n, n, dtype=torch.bool)
     if rule == "diag_unmasked":
@@ -42,6 +72,11 @@ def block_keep(rule: str, layout: str, S: int, W: int, r: int, j: int) -> torch.
 
 
 RULE_WORDS = {
+    "causal_every_block": ("your output is what you get when EVERY block gets the causal mask (causal=True at every "
+                           "step): only a block whose keys sit where its queries sit is causal — on the diagonal "
+                           "(your own K/V, step 0). The given block_plan(r, j, W, layout, causal, n) says, for the "
+                           "block of rank j, which rows of Q and K to compute and whether with the causal mask "
+                           "(contiguous: earlier ranks full, later ranks skipped)."),
     "no_mask": "your output is non-causal attention: causal=True was ignored.",
     "diag_unmasked": ("your output is what you get when each rank's own K/V block (step 0, the diagonal) is "
                       "not masked: that block needs the causal mask (attention_block(..., causal=True)): "
@@ -60,6 +95,13 @@ RULE_WORDS = {
                           "a·W + r sees a·W + j only when j ≤ r, so shift the mask by one (q[1:] against "
                           "k[:-1] with causal=True) — yours includes the diagonal."),
 }
+
+
+def same_as_another(rule: str, layout: str) -> bool:
+    """Whether ``rule`` gives, on ``layout``, the masks of a rule with more precise words: the contiguous
+    rule on contiguous shards is the truth; on striped shards the causal mask on every block is exactly
+    the mask including the diagonal on later ranks (striped_inclusive, which says how to fix it)."""
+    return (rule, layout) in {("contiguous_rules", "contiguous"), ("causal_every_block", "striped")}
 
 
 def ring_truth(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, W: int,
@@ -101,13 +143,19 @@ def ring_direction(m: Mismatch) -> str | None:
 
 
 def ring_wrong_rule(m: Mismatch) -> str | None:
+    """The wrong causal rule the learner's output follows: of the rules it matches, the closest one (with
+    large logits two masks can give nearly the same output; the nearest is the one the ring used)."""
     if not isinstance(m.got, torch.Tensor):
         return None
+    best, best_err = None, float("inf")
+    got = m.got.double()
     for rule, alt in m.extra.get("alternatives", {}).items():
-        if alt.shape == m.got.shape and torch.allclose(m.got.double(), alt, atol=1e-7, rtol=1e-6, equal_nan=True) \
+        if alt.shape == got.shape and torch.allclose(got, alt, atol=1e-7, rtol=1e-6, equal_nan=True) \
                 and not torch.allclose(alt, m.expected.double(), atol=1e-7, rtol=1e-6, equal_nan=True):
-            return RULE_WORDS[rule].format(layout=m.extra.get("layout"))
-    return None
+            err = float(torch.nan_to_num((got - alt).abs(), nan=0.0).max())
+            if err < best_err:
+                best, best_err = rule, err
+    return RULE_WORDS[best].format(layout=m.extra.get("layout")) if best else None
 
 
 def judge_ring(values: list[Any], trace: list[dict], qkv, causal: bool, layout: str, W: int, *,
@@ -115,7 +163,7 @@ def judge_ring(values: list[Any], trace: list[dict], qkv, causal: bool, layout: 
     """Compare each rank's (out, lse) with float64 full attention; name a wrong causal rule or direction."""
     words = words or f"W={W}, {layout}, {'causal' if causal else 'non-causal'}"
     truth = ring_truth(*qkv, causal, layout, W)
-    rules = [x for x in RULE_WORDS if causal and not (x == "contiguous_rules" and layout == "contiguous")]
+    rules = [x for x in RULE_WORDS if causal and not same_as_another(x, layout)]
     alts = {rule: ring_truth(*qkv, causal, layout, W, rule) for rule in rules}
     for r in range(W):
         res = values[r]
@@ -135,8 +183,10 @@ def judge_ring(values: list[Any], trace: list[dict], qkv, causal: bool, layout: 
 
 
 def _ring_run(ctx, W: int, qkv, causal: bool, layout: str, **kw):
-    res = ctx.ranks(W, f"{ME}:ring_harness", shard_inputs(qkv, W, layout), causal, layout)
+    shards = shard_inputs(qkv, W, layout)
+    res = ctx.ranks(W, f"{ME}:ring_harness", causal, layout, per_rank=shards, rules=kv_rules(shards[0], W))
     judge_ring(res.values, res.trace, qkv, causal, layout, W, **kw)
+    judge_inputs_kept(res.values, shards, ("q", "k", "v"))
     return res
 
 
@@ -180,38 +230,95 @@ def _(ctx):
               atol=2e-4, rtol=1e-4, words="W=4, contiguous, causal, float32, large logits ×4")
 
 
-def judge_ring_messages(trace: list[dict], W: int, n: int, Hkv: int, D: int, itemsize: int) -> None:
-    want = (W - 1) * 2 * n * Hkv * D * itemsize
-    sent = {r: 0 for r in range(W)}
-    for e in trace:
-        if e["op"] == "send":
-            sent[e["rank"]] += e["nbytes"]
-    if not any(sent.values()):
-        raise CheckFailed("no point-to-point messages were recorded: pass K/V round the ring with sends and "
+def ring_sent(comm: list, r: int, W: int, what: str) -> int:
+    """Elements rank ``r`` sent in the call, by the referee's log (kept in the runner, out of the
+    learner's reach), after checking it sent something, to rank r+1 only."""
+    sends = [(peer, k) for op, peer, k, ok in comm[r] if op == SEND and ok]
+    if not sends:
+        raise CheckFailed(f"rank {r} sent no point-to-point message: pass {what} round the ring with sends and "
                           "receives (comm.exchange or torch.distributed), not a collective such as all_gather.")
+    peers = {peer for peer, _ in sends}
+    if W > 2 and peers == {(r - 1) % W}:
+        raise CheckFailed(f"rank {r} sent {what} to rank {(r - 1) % W} (r−1): the ring runs the other way. Send to "
+                          "r+1 and receive from r−1, so that at step s rank r holds the K/V of rank (r − s) mod W "
+                          "(comm.ring_peers gives (next, prev)).")
+    if peers != {(r + 1) % W}:
+        raise CheckFailed(f"rank {r} sent to ranks {sorted(peers)}; in the ring it sends only to rank {(r + 1) % W} "
+                          f"— {what} alike.")
+    return sum(k for _, k in sends)
+
+
+def judge_ring_messages(comm: list, W: int, n: int, Hkv: int, D: int) -> None:
+    """Every rank sent K and V W−1 times — (W−1)·2·n·H·D elements — to rank r+1 only."""
+    want = (W - 1) * 2 * n * Hkv * D
     for r in range(W):
-        nxt, prv = (r + 1) % W, (r - 1) % W
-        to, frm = _peers(trace, "send", r), _peers(trace, "recv", r)
-        if frm == {nxt} and to == {prv}:
-            raise CheckFailed(f"rank {r} received K/V from rank {nxt} (r+1) and sent to rank {prv} (r−1): the ring "
-                              "runs the other way. Send to r+1 and receive from r−1, so that at step s rank r holds "
-                              "the K/V of rank (r − s) mod W (comm.ring_peers gives (next, prev)).")
-        if to != {nxt} or frm != {prv}:
-            raise CheckFailed(f"rank {r} sent to ranks {sorted(to)} and received from {sorted(frm)}; in the ring it "
-                              f"sends only to rank {nxt} and receives only from rank {prv}.")
-        if sent[r] != want:
+        sent = ring_sent(comm, r, W, "K/V")
+        if sent != want:
             hint = (" — one hop too many: after W−1 hops every rank has seen every block, so the last step "
-                    "sends nothing." if sent[r] == want * W // (W - 1) else "")
-            raise CheckFailed(f"rank {r} sent {sent[r]} bytes; the ring forward sends K and V W−1 times: "
-                              f"(W−1)·2·n·H·D·itemsize = {W - 1}·2·{n}·{Hkv}·{D}·{itemsize} = {want}{hint}.")
+                    "sends nothing." if sent == want * W // (W - 1) else "")
+            raise CheckFailed(f"rank {r} sent {sent} elements; the ring forward sends K and V W−1 times: "
+                              f"(W−1)·2·n·H·D = {W - 1}·2·{n}·{Hkv}·{D} = {want}{hint}.")
 
 
-@RING.check("K/V travel forward: rank r sends (W−1)·2·n·H·D·b bytes to r+1 only, receives from r−1 only"
-            " (trace; feedback only, no points)", points=0, timeout=RANKS_TIMEOUT)
+@RING.check("K/V travel forward: rank r sends (W−1)·2·n·H·D elements to r+1 only (counted by the grader)",
+            timeout=RANKS_TIMEOUT)
 def _(ctx):
     W, S, Hh, D = 4, 16, 2, 8
     res = _ring_run(ctx, W, ring_inputs(1, Hh, S, D, seed=340), False, "contiguous")
-    judge_ring_messages(res.trace, W, S // W, Hh, D, 8)
+    judge_ring_messages(res.comm, W, S // W, Hh, D)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory: what the ring is for.  Its messages are those of relaying every block round the ring and
+# keeping them all, so only the memory a rank holds tells the two apart: W = 12 ranks, a cap on what
+# each may map during the call (set by the runner, out of the rank's reach) that the ring fits with
+# room to spare (measured: 10-21 blocks) and a rank holding every K/V block does not (33-42).
+
+MEMORY_W, MEMORY_SHAPE, MEMORY_CAP_BLOCKS = 12, (1, 4, 32, 1024), 28
+
+
+def memory_case(ctx, seed: int, causal: bool, count: int = 3):
+    """(per-rank seeds, probe vector, the full inputs rebuilt here from the seeds, a block's bytes)."""
+    from ...harness.sequence import _shard_from_seed
+    W, shape = MEMORY_W, MEMORY_SHAPE
+    seeds = [ctx.seed(1000 * seed + 1 + r) for r in range(W)]
+    u = _randn((shape[-1],), seed)
+    shards = [_shard_from_seed(s, shape, count) for s in seeds]
+    full = [torch.cat([sh[i] for sh in shards], dim=-2) for i in range(count)]
+    return seeds, u, full, shape[0] * shape[1] * shape[2] * shape[3] * 8
+
+
+def out_of_memory(err: str, cap_blocks: int, what: str) -> str | None:
+    """The words for a rank that ran out of its memory cap in the memory check."""
+    if "can't allocate memory" in err or "MemoryError" in err or "Cannot allocate memory" in err:
+        return (f"a rank ran out of memory: here each rank may hold about {cap_blocks} K/V blocks of working memory "
+                f"at once, and the ring needs far fewer — its own {what} and the block in flight. A rank that keeps "
+                "every rank's K/V (relayed round the ring, or gathered) needs 2W blocks and does not fit: compute "
+                "each block as it arrives, merge it into the running result, and pass it on.")
+    return None
+
+
+@RING.check("memory: a rank holds its own K/V and the block in flight, never every rank's (W=12; the grader caps "
+            "each rank's memory)", timeout=60)
+def _(ctx):
+    from ...core import CheckFailed as Failed
+    seeds, u, (q, k, v), block = memory_case(ctx, 360, causal=True)
+    W = MEMORY_W
+    try:
+        res = ctx.ranks(W, f"{ME}:ring_memory_harness", True, MEMORY_SHAPE, per_rank=[(s, u) for s in seeds],
+                        rules=kv_rules((q[..., :MEMORY_SHAPE[2], :],) * 3, W),
+                        memory_cap=MEMORY_CAP_BLOCKS * block)
+    except Failed as e:
+        words = out_of_memory(str(e), MEMORY_CAP_BLOCKS, "K/V")
+        raise Failed(str(e) + (f"\n    Likely mistake: {words}" if words else "")) from None
+    truth = ring_truth(q, k, v, True, "contiguous", W)
+    for r, got in enumerate(res.values):
+        ctx.expect("bad_return" not in got, f"ring_attention_forward must return (out, lse); rank {r} returned "
+                   f"{got.get('bad_return')}.")
+        ctx.compare(got["out_u"], truth[r][0] @ u, "out (projected on a probe vector)", rank=r, world_size=W,
+                    atol=1e-8, rtol=1e-7, case="W=12, contiguous, causal, head dim 1024")
+        ctx.compare(got["lse"], truth[r][1], "lse", rank=r, world_size=W, atol=1e-9, rtol=1e-7,
+                    case="W=12, contiguous, causal, head dim 1024")
 
 
 def judge_skipping(values: list[Any], trace: list[dict], W: int, n: int) -> None:
@@ -247,13 +354,14 @@ HINTS = {
     "5a.3": [
         "At step s rank r holds the K/V block of rank (r - s) mod W; K/V move one rank forward per step, queries "
         "never move. Post the next hop before computing the current block, and merge each block into a running "
-        "(out, lse) with your 5a.1.",
+        "(out, lse) with your 5a.1. With causal=True, the given block_plan says what part of each block to compute.",
         "comm.ring_peers(group) gives (next, previous). Each step: comm.exchange([(k_cur, nxt), (v_cur, nxt)], "
         "[(k_buf, prv), (v_buf, prv)], group=group, step=s, what='kv') (not on the last step), compute, then "
         ".wait() and swap buffers. Never a blocking send then recv: on a ring every rank would wait for the next.",
         "Causal: a block is full, causal (diagonal included), strictly causal or skipped, depending on the global "
-        "positions of your queries and of rank j's keys (layouts.positions). Contiguous: j < r full, j == r causal, "
-        "j > r skip; zigzag and striped: sketch the score matrix. Skip fully masked blocks without a kernel call; "
-        "accumulate in float32 or wider and return (out in q's dtype, lse).",
+        "positions of your queries and of rank j's keys. The given block_plan(r, j, W, layout, causal, n) works it "
+        "out for every layout: for each piece it returns, call the kernel on rows piece.q of Q and piece.k of the "
+        "held K/V with causal=piece.causal, and merge into rows piece.q; an empty plan means skip the block (no "
+        "kernel call). Accumulate in float32 or wider and return (out in q's dtype, lse).",
     ],
 }

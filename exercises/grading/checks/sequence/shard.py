@@ -12,7 +12,7 @@ from ...harness.sequence import tokens_tensor
 from .common import ME, layout_positions
 
 SHARD = exercise("5a.2", "Shard a sequence: contiguous, zigzag, striped", "sequence",
-                 ["shard_sequence", "unshard_sequence"])
+                 ["shard_sequence", "unshard_sequence"], mirrors=("reference.sequence.layouts:*",))
 
 
 def token_ids(t: Any, dim: int) -> list[int] | None:

@@ -11,7 +11,7 @@ from .common import ME, RANKS_TIMEOUT
 from .shard import _short
 
 ULYSSES = exercise("5a.4", "The Ulysses all-to-all", "sequence", ["seq_to_heads", "heads_to_seq"],
-                   comm=("all_to_all",))
+                   comm=("all_to_all",), mirrors=("reference.sequence.ulysses:*",))
 
 
 def heads_tokens_tensor(B: int, Hh: int, S: int, D: int) -> torch.Tensor:
@@ -63,8 +63,13 @@ def _ulysses_check(ctx, W: int, B: int, Hh: int, S: int, D: int) -> None:
     n, h = S // W, Hh // W
     seq_shards = [X[:, :, r * n:(r + 1) * n].contiguous() for r in range(W)]
     head_shards = [X[:, r * h:(r + 1) * h].contiguous() for r in range(W)]
-    res = ctx.ranks(W, f"{ME}:ulysses_harness", seq_shards, head_shards)
+    res = ctx.ranks(W, f"{ME}:ulysses_harness", per_rank=list(zip(seq_shards, head_shards)))
     judge_ulysses(res.values, X, W)
+    for r, v in enumerate(res.values):
+        a, b = v["inputs"]
+        ctx.expect(torch.equal(a, seq_shards[r]) and torch.equal(b, head_shards[r]),
+                   f"seq_to_heads or heads_to_seq changed its input on rank {r}: leave the input as it was "
+                   "(the all-to-all writes into a buffer of your own).")
 
 
 @ULYSSES.check("W=2: rank r gets head block r of all S tokens, and back (bitwise)", timeout=RANKS_TIMEOUT)
@@ -98,7 +103,7 @@ def _(ctx):
     X = heads_tokens_tensor(1, Hh, 8, 2)
     shards = [X[:, :, 2 * r:2 * r + 2].contiguous() for r in range(W)]
     try:
-        res = ctx.ranks(W, f"{ME}:ulysses_error_harness", shards, timeout=8.0)
+        res = ctx.ranks(W, f"{ME}:ulysses_error_harness", per_rank=shards, timeout=8.0)
     except CheckFailed as e:
         if str(e).startswith("deadlock"):
             raise CheckFailed(str(e) + f"\n    With {Hh} heads on {W} ranks some ranks went on to the all-to-all "
@@ -115,9 +120,10 @@ HINTS = {
         "One all-to-all does it: slice w of what a rank sends goes to rank w. heads_to_seq is the mirror image.",
         "Check x.shape[1] % W first and raise ValueError on every rank, before any message. Cut the heads into W "
         "groups and make the group the first axis of a contiguous send buffer for comm.all_to_all_single.",
-        "send = x.reshape(B, W, H//W, n, D).transpose(0, 1).contiguous(); after all_to_all_single slice w of the "
-        "output is sequence chunk w of your head group: put the chunks in rank order along the sequence axis. "
-        "heads_to_seq: x.reshape(B, h, W, S//W, D).permute(2, 0, 1, 3, 4).contiguous(), one all_to_all_single, "
-        "then the slice from rank w is head group w.",
+        "The send buffer: split the H heads into W groups of H/W and bring the group axis to the front (a "
+        "reshape to (B, W, H/W, n, D) and a transpose of its first two axes, made contiguous); after "
+        "all_to_all_single slice w of the output is sequence chunk w of your head group: put the chunks in rank "
+        "order along the sequence axis. heads_to_seq is the mirror image: split the sequence into W chunks, chunk "
+        "axis first, one all_to_all_single, then the slice from rank w is head group w.",
     ],
 }
