@@ -18,7 +18,7 @@ import torch  # noqa: F401
 import torch.nn.functional as F  # noqa: F401  (cross_entropy)
 
 from reference import comm  # noqa: F401  (traced all_reduce)
-from reference.debug.accumulate import IGNORE, accumulate_gradients_given  # noqa: F401  (given: 6.3's buggy step)
+from reference.debug.accumulate import IGNORE, accumulate_gradients_given  # noqa: F401  (given: 6.3's buggy step, to read)
 from reference.debug.records import Divergence, Record, Run  # noqa: F401  (given)
 
 __all__ = ["diagnose_hang", "first_divergence", "accumulate_gradients"]
@@ -37,6 +37,10 @@ def diagnose_hang(report: dict) -> dict:
     Returns ``{"kind": one of "order", "skip", "p2p", "pipeline", "group", "shape",
     "ranks": sorted list of the ranks at fault}`` (see this module's table).  A report with no
     signature of any kind: ValueError.
+
+    Graded on: the course's reports of six real hangs, each run on 2–3 real ranks with its bug planted on drawn
+    ranks after 0–9 good steps (order and group together, skip, p2p, pipeline, shape under DETAIL; in a hidden
+    check a 4-stage pipeline and the odd one out of 4): the kind, and the sorted ranks at fault as planted.
     """
     raise NotImplementedError(
         'Exercise 6.1 (diagnose_hang): Look at each rank\'s state first: who is blocked, who is "running" '
@@ -64,6 +68,11 @@ def first_divergence(parallel_run: Run, single_run: Run, *, atol: float = 1e-9, 
     sorted ranks whose pieces differ, the largest absolute difference (inf for a NaN against a
     number), that over the largest |entry| of the one-process tensor, and the index in the whole
     tensor of the largest difference.
+
+    Graded on: runs of 2 ranks recorded in float64 with each of the nine planted bugs at a drawn layer and rank,
+    and two correct runs (None is the answer there); the first differing record (step, phase, module, tensor),
+    its sorted ranks and max_abs (to 1e-6 relative) — in a hidden check also a bug of the grader's own at a drawn
+    record, rank and size, and a NaN.
     """
     raise NotImplementedError(
         "Exercise 6.2 (first_divergence): Compare one record first: for each (rank, offsets, block) of the "
@@ -84,8 +93,14 @@ def accumulate_gradients(model, microbatches: list, *, group=None) -> float:
     their micro-batches.  Afterwards every parameter's ``.grad`` (of every rank) holds ∂L/∂θ; returns
     L (a float, the same on every rank).  A micro-batch, a rank, even the whole batch may hold no
     real token: no NaN may come out of it (an empty batch's loss and gradients are 0).
+
+    Graded on: every rank's returned loss and .grad against one process's on the whole padded batch (to 1e-9):
+    2 ranks × 2 micro-batches, 1 rank × 4, 3 ranks × 1, and 2 ranks × 4 with micro-batches that hold no real
+    token (4 ranks × 2 on fresh documents in a hidden check); each rank is given only its own micro-batches, and
+    only all_reduce may communicate.
     """
     raise NotImplementedError(
-        "Exercise 6.3 (accumulate_gradients): Start from the given step, accumulate_gradients_given (imported "
-        "above): it runs, and it is silently wrong whenever micro-batches hold different numbers of real "
-        'tokens. Find where with first_divergence, then fix it. More help: hint("6.3").')
+        "Exercise 6.3 (accumulate_gradients): Start from a copy of the given step's body "
+        "(accumulate_gradients_given in reference/debug/accumulate.py; calling it is switched off while 6.3 is "
+        "graded): it runs, and it is silently wrong whenever micro-batches hold different numbers of real tokens. "
+        'Find where with first_divergence, then fix it. More help: hint("6.3").')

@@ -38,6 +38,10 @@ def diagnose_hang(report: dict) -> dict:
     Returns ``{"kind": one of "order", "skip", "p2p", "pipeline", "group", "shape",
     "ranks": sorted list of the ranks at fault}`` (see this module's table).  A report with no
     signature of any kind: ValueError.
+
+    Graded on: the course's reports of six real hangs, each run on 2–3 real ranks with its bug planted on drawn
+    ranks after 0–9 good steps (order and group together, skip, p2p, pipeline, shape under DETAIL; in a hidden
+    check a 4-stage pipeline and the odd one out of 4): the kind, and the sorted ranks at fault as planted.
     """
     ranks = {int(r): v for r, v in report["ranks"].items()}
     state = {r: v["state"] for r, v in ranks.items()}

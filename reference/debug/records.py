@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Record", "Run", "Divergence", "PHASES"]
+__all__ = ["Record", "Run", "Divergence", "PHASES", "to_plain", "from_plain"]
 
 PHASES = ("forward", "backward", "grad", "param")
 
@@ -109,3 +109,46 @@ class Divergence:
         return (f"step {self.step}, {self.phase}: {self.module or '(model)'} {self.tensor} differs on {who} "
                 f"{', '.join(map(str, self.ranks))} by up to {self.max_abs:.3g} "
                 f"({self.max_rel:.3g} of its largest entry){where}")
+
+
+# ----------------------------------------------------------------------------------------------
+# A run as plain data
+
+
+def to_plain(run: Run) -> dict:
+    """A Run as lists, tuples, numbers and one flat tensor per dtype (what crosses to the grader's runner
+    and into a release's recorded answers): each piece is ``(rank, offsets, dtype, start, shape)``, its
+    block ``data[dtype][start:start + numel].view(shape)`` — a few tensors instead of one per piece, and each
+    name and shape one object (pickled once)."""
+    chunks: dict[str, list] = {}
+    sizes: dict[str, int] = {}
+    records = []
+    same: dict = {}                               # one object per distinct name and shape: pickled once
+    one = lambda x: same.setdefault(x, x)         # noqa: E731
+    for r in run.records:
+        pieces = []
+        for rank, o, b in r.pieces:
+            key = one(str(b.dtype).removeprefix("torch."))
+            pieces.append((rank, one(tuple(o)), key, sizes.get(key, 0), one(tuple(b.shape))))
+            chunks.setdefault(key, []).append(b.detach().reshape(-1))
+            sizes[key] = sizes.get(key, 0) + b.numel()
+        records.append((r.step, one(r.phase), one(r.module), one(r.tensor), one(tuple(r.shape)), pieces))
+    return {"records": records, "data": {k: torch.cat(v) for k, v in chunks.items()},
+            "world_size": run.world_size, "info": run.info}
+
+
+def _block(data: dict, piece) -> tuple:
+    if len(piece) == 3:                           # (rank, offsets, block): a run written by hand
+        rank, o, b = piece
+        return rank, tuple(o), b
+    rank, o, key, start, shape = piece
+    n = 1
+    for d in shape:
+        n *= d
+    return rank, tuple(o), data[key][start:start + n].view(shape).clone()
+
+
+def from_plain(data: dict) -> Run:
+    flat = data.get("data", {})
+    return Run([Record(s, ph, m, t, tuple(shape), [_block(flat, p) for p in pieces])
+                for s, ph, m, t, shape, pieces in data["records"]], data["world_size"], data.get("info", {}))

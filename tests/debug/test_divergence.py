@@ -8,7 +8,8 @@ import torch
 
 from exercises.grading.checks.debug import divergence_inputs
 from reference.debug import Divergence, Record, Run, first_divergence
-from reference.debug.oracles import divergence_cases, from_plain
+from reference.debug.oracles import divergence_cases
+from reference.debug.records import from_plain
 from reference.debug.plants import PLANTS
 from reference.debug.recorder import Layout
 from reference.debug.runs import record_many, record_single

@@ -1,6 +1,7 @@
 """Exercises 6.1-6.3 graded on submissions with one classic mistake each: the grader names it.  The
 reference's full marks (published and fresh inputs) and the stubs' zero are the course-wide grader tests'
-(tests/grading); 6.3's GIVEN step, submitted unchanged, must earn nothing."""
+(tests/grading); 6.3's GIVEN step, its body submitted unchanged, must earn nothing, and calling it is switched
+off while 6.3 is graded."""
 from __future__ import annotations
 
 import sys
@@ -13,15 +14,40 @@ from exercises.grading import core, session
 pytestmark = pytest.mark.slow
 
 SUBMISSION = '''
-from reference.debug import accumulate as _given
+import torch
+import torch.nn.functional as F
+
+from reference import comm
+from reference.debug.accumulate import IGNORE
 
 
 def diagnose_hang(report):          # every hang read as a skipped collective, the waiting ranks named
     return {{"kind": "skip", "ranks": sorted(int(r) for r, v in report["ranks"].items() if v["state"] == "blocked")}}
 
 
-def accumulate_gradients(model, microbatches, *, group=None):
-    return _given.accumulate_gradients_given(model, microbatches, group=group)
+def accumulate_gradients(model, microbatches, *, group=None):   # the given step's body, copied unchanged
+    total = 0.0
+    for x, y in microbatches:
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+        (loss / len(microbatches)).backward()
+        total += loss.item() / len(microbatches)
+    W = comm.world_size(group)
+    for p in model.parameters():
+        if p.grad is not None:
+            comm.all_reduce(p.grad, group=group, what="grads")
+            p.grad /= W
+    t = torch.tensor([total], dtype=torch.float64)
+    comm.all_reduce(t, group=group, what="loss")
+    return float(t) / W
+
+
+def calls_the_given_step(model, microbatches, *, group=None):
+    from reference.debug.accumulate import accumulate_gradients_given
+    return accumulate_gradients_given(model, microbatches, group=group)
+
+
+if "{mistake}" == "calls_given":
+    accumulate_gradients = calls_the_given_step
 '''
 
 
@@ -55,3 +81,9 @@ def test_6_1_names_the_waiting_ranks_mistake(tmp_path, monkeypatch):
     res = grade(tmp_path, monkeypatch, "waiting_ranks", ["6.1"], "skip:")["6.1"]
     [check] = res.checks
     assert not check.passed and "FINISHED early" in check.message, check.message
+
+
+def test_6_3_calling_the_given_step_is_switched_off_and_said_so(tmp_path, monkeypatch):
+    res = grade(tmp_path, monkeypatch, "calls_given", ["6.3"], "2 ranks × 2 micro-batches of padded")["6.3"]
+    [check] = res.checks
+    assert not check.passed and "switched off while exercise 6.3 is graded" in check.message, check.message

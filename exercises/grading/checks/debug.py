@@ -23,18 +23,21 @@ ORACLES = "reference.debug.oracles"
 
 __all__ = ["DIAGNOSE", "FIRST", "ACCUMULATE", "HINTS"]
 
-# The grader's own truths, and the lecture's map of every record's difference, would answer by another
-# road: switched off while their exercise is graded.
+# Switched off while each is graded ("mirrors"): the grader's own truths (every function of
+# reference.debug.oracles: the hang reports with their truth, the recorded runs with their answers, one
+# process's gradients); for 6.2 also what maps or walks a run's differences (the lecture's map, the
+# bisection animation's search); for 6.3 every other function of reference.debug.accumulate (the given step
+# and its recorder, the data and model makers: the grader makes each rank's inputs in its own process).
+# The format of the runs (reference.debug.records) and the hang programs are what the exercises are about.
+TRUTHS = "reference.debug.oracles:*"
 DIAGNOSE = exercise("6.1", "Read a hang report: the kind of hang and the ranks at fault", "debug", ["diagnose_hang"],
-                    mirrors=("reference.debug.oracles:hang_reports",))
+                    mirrors=(TRUTHS,))
 FIRST = exercise("6.2", "first_divergence: where a parallel run first parts from one process", "debug",
-                 ["first_divergence"], mirrors=("reference.debug.oracles:divergence_cases",
-                                                "reference.debug.oracles:perturbed", "reference.debug.lecture:_map"))
+                 ["first_divergence"], mirrors=(TRUTHS, "reference.debug.lecture:_map",
+                                                "reference.widgets.bisection:bisection_frames"))
 ACCUMULATE = exercise("6.3", "Fix the given run: gradient accumulation over padded documents", "debug",
                       ["accumulate_gradients"], comm=("all_reduce",),
-                      mirrors=("reference.debug.oracles:accumulation_truth",
-                               "reference.debug.oracles:accumulation_wrong",
-                               "reference.debug.accumulate:record_accumulation_single"))
+                      mirrors=(TRUTHS, "reference.debug.accumulate:*"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,6 +312,18 @@ def _nan_from_an_empty_microbatch(m: Mismatch) -> str | None:
     return None
 
 
+def _accumulation_inputs(W: int, m: int, batch: int, seq_len: int, seed: int, data_seed: int, min_len: int,
+                         empty: tuple) -> tuple:
+    """(per_rank, state, config) of a 6.3 run: each rank's own micro-batches of the padded batch, and the tiny
+    GPT's weights and configuration (the same on every rank), made here in the grader."""
+    from dataclasses import asdict
+
+    from reference.debug.accumulate import _model, microbatches, padded_batch
+    x, y = padded_batch(batch, seq_len, seed=data_seed, min_len=min_len, empty=empty)
+    model = _model(seed, seq_len=seq_len)
+    return [microbatches(x, y, r, W, m) for r in range(W)], model.state_dict(), asdict(model.cfg)
+
+
 def _accumulate_case(ctx, W: int, m: int, *, batch: int, data_seed: int, min_len: int = 0, empty: tuple = (),
                      words: str) -> None:
     seq_len, seed = 8, ctx.seed(65)
@@ -316,7 +331,8 @@ def _accumulate_case(ctx, W: int, m: int, *, batch: int, data_seed: int, min_len
                        empty=empty)
     wrong = ctx.oracle(f"{ORACLES}:accumulation_wrong", batch, seq_len, W, m, seed=seed, data_seed=data_seed,
                        min_len=min_len, empty=empty)
-    res = ctx.ranks(W, f"{H}:accumulate_per_rank", batch, seq_len, m, seed, data_seed, min_len, empty)
+    per_rank, state, config = _accumulation_inputs(W, m, batch, seq_len, seed, data_seed, min_len, empty)
+    res = ctx.ranks(W, f"{H}:accumulate_per_rank", state, config, per_rank=per_rank)
     for r, v in enumerate(res.values):
         loss = v.get("loss") if isinstance(v, dict) else None
         if isinstance(loss, float) and loss != loss:
@@ -381,9 +397,9 @@ HINTS = {
         "(offsets + the local index)). No differing step: None.",
     ],
     "6.3": [
-        "Start from the given step, accumulate_gradients_given (imported above): it runs, and it is silently "
-        "wrong whenever micro-batches hold different numbers of real tokens. Find where with first_divergence, "
-        "then fix it.",
+        "Start from a copy of the given step's body (accumulate_gradients_given in reference/debug/accumulate.py; "
+        "calling it is switched off while 6.3 is graded): it runs, and it is silently wrong whenever micro-batches "
+        "hold different numbers of real tokens. Find where with first_divergence, then fix it.",
         "One process divides the summed loss by ALL the real tokens of the batch. The given step divides each "
         "micro-batch by its own count (then ÷ m, ÷ W): a mean of means. Count the real tokens first: y != IGNORE, "
         "summed over your micro-batches, all-reduced over the group.",
