@@ -57,7 +57,7 @@ def hang_cases(seed: int, big: bool = False) -> tuple:
             ("skip", W, (rng.randrange(W),), at()),
             ("p2p", rng.choice((2, 3)), (), at()),
             ("pipeline", p, tuple(r for r in range(p) if p - 1 - r > m), {"num_microbatches": m, **at()}),
-            ("group", W, (rng.randrange(1, W),), at()),
+            ("group", W, (rng.randrange(1, W - 1),), at()),    # not the last rank: see hangs._group
             ("shape", W, (rng.randrange(W),), {"detail": True, **at()}))
 
 
