@@ -17,8 +17,8 @@ import torch
 
 from .records import from_plain, to_plain
 
-__all__ = ["hang_reports", "divergence_case", "divergence_cases", "perturbed", "accumulation_truth",
-           "accumulation_wrong"]
+__all__ = ["hang_reports", "divergence_case", "divergence_cases", "divergence_table", "perturbed",
+           "accumulation_truth", "accumulation_wrong"]
 
 _CACHE: dict = {}
 
@@ -208,3 +208,19 @@ def divergence_cases(cases: tuple) -> list[dict]:
                 "answer": _divergence_plain(first_divergence(par, from_plain(one)))}
     # one deep copy of them all: cases of one configuration keep sharing their one-process run
     return copy.deepcopy([_CACHE[("divergence", repr(sorted(c.items())))] for c in cases])
+
+
+def divergence_table(cases: tuple) -> dict:
+    """:func:`divergence_cases` with each distinct one-process run once: ``{"singles": [run, ...], "cases":
+    [{"parallel", "single": index into singles, "answer"}, ...]}`` — what 6.2's checks record (a student
+    release ships it: runs of one configuration share one one-process run, and plain data keeps no sharing)."""
+    singles: list = []
+    index: dict[int, int] = {}
+    out = []
+    for case in divergence_cases(cases):
+        one = case["single"]
+        if id(one) not in index:
+            index[id(one)] = len(singles)
+            singles.append(one)
+        out.append({"parallel": case["parallel"], "single": index[id(one)], "answer": case["answer"]})
+    return {"singles": singles, "cases": out}

@@ -8,7 +8,7 @@ import torch
 
 from exercises.grading.checks.debug import divergence_inputs
 from reference.debug import Divergence, Record, Run, first_divergence
-from reference.debug.oracles import divergence_cases
+from reference.debug.oracles import divergence_cases, divergence_table
 from reference.debug.records import from_plain
 from reference.debug.plants import PLANTS
 from reference.debug.recorder import Layout
@@ -40,6 +40,16 @@ def test_every_plant_is_found_at_its_record_and_ranks_and_correct_runs_report_no
         assert 0 < answer["max_abs"] < float("inf")
         if case["plant"] == "zero_stale":                # the parameters differ only in the stale rank's slice
             assert answer["step"] == 1 and answer["phase"] == "param"
+
+
+@pytest.mark.slow
+def test_the_recorded_table_holds_each_one_process_run_once_and_the_same_answers():
+    inputs = divergence_inputs(63)                      # cached by the test above: no run again
+    table, cases = divergence_table(inputs), divergence_cases(inputs)
+    assert len(table["singles"]) == 5 < len(inputs)     # gpt, gpt 3 steps, MoE, clipping, blocks
+    for case, row in zip(cases, table["cases"]):
+        assert row["answer"] == case["answer"]
+        assert torch.equal(table["singles"][row["single"]]["data"]["float64"], case["single"]["data"]["float64"])
 
 
 @pytest.mark.slow

@@ -182,8 +182,9 @@ def _full(c: dict) -> dict:
 def _cases(ctx) -> dict:
     _written(ctx, f"{H}:divergence_call", _NO_RUN, _NO_RUN, {})
     inputs = divergence_inputs(ctx.seed(63))
-    out = ctx.oracle(f"{ORACLES}:divergence_cases", inputs)
-    return {(c["plant"] or f"correct {i}"): case for i, (c, case) in enumerate(zip(inputs, out))}
+    table = ctx.oracle(f"{ORACLES}:divergence_table", inputs)
+    return {(c["plant"] or f"correct {i}"): dict(case, single=table["singles"][case["single"]])
+            for i, (c, case) in enumerate(zip(inputs, table["cases"]))}
 
 
 def _field(got, name: str):
