@@ -32,7 +32,7 @@ __all__ = ["TINY", "BATCH", "MOE", "record_single", "record_grid", "record_paral
 
 # The recorded models are as small as every plant allows (two heads for tp 2, four tokens for cp 2's zigzag
 # chunks, a batch of two for dp 2): a run keeps every module's tensors of every step, and the student release
-# ships 6.2's runs among its recorded answers — 1.8 MB for its eleven runs and five one-process runs (26 MB at
+# ships 6.2's runs among its recorded answers — 2.0 MB for its eleven runs and five one-process runs (26 MB at
 # d_model 16, d_ff 32, 8 tokens, a batch of 4); they record in a third of the time, and every plant is still
 # found where it is planted (tests/debug/test_divergence.py).
 TINY = dict(layers=2, d_model=4, heads=2, d_ff=8, seq_len=4)       # the recorded tiny GPT: every axis fits
