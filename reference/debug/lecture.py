@@ -18,11 +18,12 @@ __all__ = ["GALLERY_RANKS", "hang_gallery", "tools_gallery", "plant_gallery", "d
 # search through first_divergence (6.2): the release replays the recording until they all pass
 PLANT_NEEDS = COMPOSED_NEEDS + ("6.2",)
 
+_KEPT = dict(ignore=("worlds",))     # the notebook's kept worlds are no part of what a recording is matched by
 
 GALLERY_RANKS = {"order": 3, "skip": 2, "p2p": 2, "pipeline": 3, "group": 3, "shape": 2}
 
 
-@recordable("06.hang_gallery")
+@recordable("06.hang_gallery", **_KEPT)
 def hang_gallery(timeout: float = 2.0, worlds: dict | None = None) -> dict:
     """Each of the six cases with its bug on its default ranks: six worlds of 2 or 3 ranks (:data:`GALLERY_RANKS`)
     started and run together, each rank with the flight recorder on; while they hang, the flight recorder of
@@ -84,7 +85,7 @@ def _plant_runs(name: str, world, steps: int):
     return parallel, single
 
 
-@recordable("06.plant_gallery", needs=PLANT_NEEDS)
+@recordable("06.plant_gallery", needs=PLANT_NEEDS, **_KEPT)
 def plant_gallery(steps: int = 3, worlds: dict | None = None) -> dict:
     """Each plant of :data:`.plants.PLANTS` on its grid (2 ranks) beside one process for ``steps`` steps:
     {plant: {"losses", "single_losses", "grad_norms" (per rank, when clipping), "single_norms",
@@ -125,7 +126,8 @@ def _map(parallel, single, atol: float = 1e-9, rtol: float = 1e-6) -> list[dict]
     return rows
 
 
-@recordable("06.divergence_map", needs=COMPOSED_NEEDS, variants=[{"plant": "cp_causal_block"}])
+@recordable("06.divergence_map", needs=COMPOSED_NEEDS, variants=[{"plant": "cp_causal_block"}],
+            **_KEPT)
 def divergence_map(plant: str = "tp_no_f", steps: int = 2, worlds: dict | None = None) -> list[dict]:
     """The largest |parallel − single| of every record of a planted run, in the order one process made
     them (what :func:`map_figure` draws): where the runs part, and how the difference spreads."""
@@ -148,20 +150,20 @@ def _accumulation_search(step: str, worlds: dict | None) -> dict:
             "divergence": asdict(d) if d else None}
 
 
-@recordable("06.given_run_search", needs=("6.2",))
+@recordable("06.given_run_search", needs=("6.2",), **_KEPT)
 def given_run_search(worlds: dict | None = None) -> dict:
     """Exercise 6.3's given step on 2 ranks × 2 micro-batches of padded documents, searched against one
     process with first_divergence."""
     return _accumulation_search("given", worlds)
 
 
-@recordable("06.fixed_run_search", needs=("6.2", "6.3"))
+@recordable("06.fixed_run_search", needs=("6.2", "6.3"), **_KEPT)
 def fixed_run_search(worlds: dict | None = None) -> dict:
     """The same with the repaired step (exercise 6.3): no divergence."""
     return _accumulation_search("fixed", worlds)
 
 
-@recordable("06.bisection_cost", needs=COMPOSED_NEEDS)
+@recordable("06.bisection_cost", needs=COMPOSED_NEEDS, **_KEPT)
 def bisection_cost(steps: int = 8, bug_step: int = 6, worlds: dict | None = None) -> dict:
     """A run of ``steps`` steps whose dense gradients are summed (dp_sum) from step ``bug_step`` on: how
     many records the bisection compares before it answers, against walking every record from step 0."""
