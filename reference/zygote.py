@@ -140,6 +140,8 @@ def _become_rank(rank: int, fd: int, cfg: dict, env: dict, path: list[str], cwd:
         os.closerange(fd + 1, 65536)
         os.environ.clear()
         os.environ.update(env)
+        if "torch.distributed" in sys.modules:          # read at import, in the zygote: read it again
+            sys.modules["torch.distributed"].set_debug_level_from_env()   # TORCH_DISTRIBUTED_DEBUG
         sys.path[:] = path
         try:
             os.chdir(cwd)

@@ -27,7 +27,7 @@ LAYERS = [
                  "reference.sources", "reference.comm", "reference.saved", "reference.cpu_time")),
     ("foundations", ("reference.collectives", "reference.mesh")),
     ("axes", ("reference.data", "reference.tensor", "reference.pipeline", "reference.sequence", "reference.moe")),
-    ("composition", ("reference.gpt", "reference.compose", "reference.planner")),
+    ("composition", ("reference.gpt", "reference.compose", "reference.planner", "reference.debug")),
     ("notebooks", ("reference.notebook", "reference.widgets")),
     ("learner", ("exercises",)),
 ]

@@ -245,6 +245,16 @@ def test_ranks_are_forked_from_one_zygote_and_glibcs_moving_defaults_alone_spawn
 
 
 @pytest.mark.skipif(not zygote.available(), reason="ranks are forked on Linux only, unless COURSE_FORK_RANKS=0")
+def test_a_forked_rank_reads_torch_distributed_debug_from_its_own_environment(monkeypatch, no_orphans):
+    with World(1, timeout=30) as plain:                 # the zygote starts without DETAIL
+        assert plain.run(W.debug_level).values == ["DebugLevel.OFF"]
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    with World(1, timeout=30) as detail:
+        assert detail.run(W.parent_pid).values == [zygote.zygote_pid()]
+        assert detail.run(W.debug_level).values == ["DebugLevel.DETAIL"]
+
+
+@pytest.mark.skipif(not zygote.available(), reason="ranks are forked on Linux only, unless COURSE_FORK_RANKS=0")
 def test_a_killed_zygote_takes_its_ranks_along_and_the_next_run_gets_a_new_one(no_orphans):
     import os
     import signal

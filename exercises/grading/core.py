@@ -112,7 +112,7 @@ DEADLINE = float(os.environ.get("GRADER_DEADLINE", "480"))   # seconds for a who
 CHECK_MODULES = ["exercises.grading.checks.collectives", "exercises.grading.checks.data",
                  "exercises.grading.checks.tensor", "exercises.grading.checks.sequence",
                  "exercises.grading.checks.pipeline", "exercises.grading.checks.moe",
-                 "exercises.grading.checks.compose"]
+                 "exercises.grading.checks.compose", "exercises.grading.checks.debug"]
 HIDDEN_MODULES = ["exercises.grading.hidden"]   # teachers' checks; left out of the student release
 
 

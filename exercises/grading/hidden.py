@@ -196,3 +196,27 @@ if "5c.2" in EXERCISES:
         cases += [_step_bytes._rank_case(ctx, {"pp": 5, "dp": 3}, r, m=2, layers=rng.randint(5, 8), d_model=16,
                                          heads=2, seq_len=8, batch=6) for r in (0, 4, 7, 14)]
         _step_bytes._check(ctx, cases, "hidden grids")
+
+
+if "6.1" in EXERCISES:
+    from .checks import debug as _debug
+
+    @hidden_check("6.1", "four-rank worlds: a pipeline of 4 stages and 1 micro-batch, the odd one out of 4",
+                  points=2, timeout=120)
+    def _(ctx):
+        for kind, report in _debug._reports(ctx, big=True, kinds=("pipeline", "order")).items():
+            _debug._diagnose_case(ctx, kind, report)
+
+    @hidden_check("6.2", "a bug of our own at a drawn record, rank and size (and a NaN), in a correct run", points=2,
+                  timeout=120)
+    def _(ctx):
+        rng = random.Random(salted_seed(630))
+        base = _debug._cases(ctx)[f"correct {len(_debug.PLANT_GRIDS)}"]
+        for size in (rng.choice((1e-5, 3e-4, 0.1)), float("nan")):
+            case = ctx.oracle(f"{_debug.ORACLES}:perturbed", base, rng.randrange(2), rng.randrange(200),
+                              rng.randrange(4), size)
+            _debug._divergence_check(ctx, case, f"our own bug, size {size:g}")
+
+    @hidden_check("6.3", "4 ranks × 2 micro-batches, fresh documents: = one process", timeout=120)
+    def _(ctx):
+        _debug._accumulate_case(ctx, 4, 2, batch=16, data_seed=salted_seed(631), words="W=4, m=2")

@@ -25,6 +25,11 @@ def parent_pid():
     return os.getppid()
 
 
+def debug_level() -> str:
+    import torch.distributed as dist
+    return str(dist.get_debug_level())
+
+
 def shout(word):
     print(f"{word} from rank {dist.get_rank()}")
     print(f"warning on rank {dist.get_rank()}", file=sys.stderr)
