@@ -53,7 +53,7 @@ from typing import Any
 from . import sources as _sources
 from . import trace as _trace
 from . import zygote as _zygote
-from .rank_program import START_TIMEOUT, _main_path, keep_freed_memory
+from .rank_program import START_TIMEOUT, _check_callable, _main_path, keep_freed_memory
 
 __all__ = ["run_world", "World", "WorldError", "WorldResult", "RankFailure"]
 
@@ -111,32 +111,6 @@ def _signal_name(code: int) -> str:
         return signal.Signals(code).name
     except ValueError:
         return f"signal {code}"
-
-
-# ----------------------------------------------------------------------------------------------
-# Checks made before anything starts
-
-
-def _check_callable(fn: Callable) -> None:
-    if not callable(fn):
-        raise ValueError(f"run_world needs a function, got {type(fn).__name__}")
-    module = getattr(fn, "__module__", None)
-    main = sys.modules.get("__main__")
-    main_file = getattr(main, "__file__", None)            # "<stdin>" for `python -`
-    if module == "__main__" and (main_file is None or not os.path.isfile(main_file)):
-        raise ValueError(
-            f"{getattr(fn, '__qualname__', fn)!r} is defined in a notebook cell, an interactive session, "
-            "`python -c` or a script read from standard input; each rank is a fresh process and can only "
-            "import functions from a file. Put it in a .py file (e.g. my_workers.py next to the notebook) "
-            "and import it, or save your script as a file and run `python my_script.py`.")
-    if "<lambda>" in getattr(fn, "__qualname__", "") or "<locals>" in getattr(fn, "__qualname__", ""):
-        raise ValueError(
-            f"{fn.__qualname__!r} is a lambda or a nested function; ranks can only import "
-            "module-level functions. Define it at the top level of a module.")
-    try:
-        pickle.dumps(fn)
-    except Exception as e:
-        raise ValueError(f"the ranks cannot receive {fn!r}: it does not pickle ({e})") from e
 
 
 def _dumps_args(args: tuple, kwargs: dict) -> bytes:

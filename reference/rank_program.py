@@ -259,6 +259,29 @@ def _install_status_wrappers(status: _Status) -> None:
     dist.batch_isend_irecv = batch_isend_irecv
 
 
+def _check_callable(fn: Callable) -> None:
+    """ValueError, before any rank starts, for a function a rank could not import by name (see below)."""
+    if not callable(fn):
+        raise ValueError(f"run_world needs a function, got {type(fn).__name__}")
+    module = getattr(fn, "__module__", None)
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)            # "<stdin>" for `python -`
+    if module == "__main__" and (main_file is None or not os.path.isfile(main_file)):
+        raise ValueError(
+            f"{getattr(fn, '__qualname__', fn)!r} is defined in a notebook cell, an interactive session, "
+            "`python -c` or a script read from standard input; each rank is a fresh process and can only "
+            "import functions from a file. Put it in a .py file (e.g. my_workers.py next to the notebook) "
+            "and import it, or save your script as a file and run `python my_script.py`.")
+    if "<lambda>" in getattr(fn, "__qualname__", "") or "<locals>" in getattr(fn, "__qualname__", ""):
+        raise ValueError(
+            f"{fn.__qualname__!r} is a lambda or a nested function; ranks can only import "
+            "module-level functions. Define it at the top level of a module.")
+    try:
+        pickle.dumps(fn)
+    except Exception as e:
+        raise ValueError(f"the ranks cannot receive {fn!r}: it does not pickle ({e})") from e
+
+
 def _main_path(fn: Callable) -> str | None:
     """The script file a function defined in ``__main__`` lives in (ranks load it, see below)."""
     if getattr(fn, "__module__", None) != "__main__":

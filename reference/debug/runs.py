@@ -34,7 +34,7 @@ __all__ = ["TINY", "BATCH", "MOE", "record_single", "record_grid", "record_paral
 # chunks, a batch of two for dp 2): a run keeps every module's tensors of every step, and the student release
 # ships 6.2's runs among its recorded answers — 2.0 MB for its eleven runs and five one-process runs (26 MB at
 # d_model 16, d_ff 32, 8 tokens, a batch of 4); they record in a third of the time, and every plant is still
-# found where it is planted (tests/debug/test_divergence.py).
+# found where it is planted (the course's tests check each one).
 TINY = dict(layers=2, d_model=4, heads=2, d_ff=8, seq_len=4)       # the recorded tiny GPT: every axis fits
 BATCH = 2                                                          # its batch (dp 2: a row per rank)
 MOE = dict(num_experts=4, top_k=2, moe_every=2)                    # its second block a MoE layer

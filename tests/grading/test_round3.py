@@ -9,6 +9,7 @@ docs/teachers.md ("What protects the score").
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -99,6 +100,7 @@ def test_a_hostile_environment_stays_in_its_exercise_when_graded_as_another_user
                               text=True).stdout
     assert not sleepers.strip(), sleepers
     nxt = grade("tests.submissions.round3_hostile", "5c.1", "--fresh-inputs")   # the next grading: untouched
-    assert "Total: 8/8" in nxt, nxt[-2000:]
+    total = re.search(r"Total: (\d+)/(\d+)", nxt)
+    assert total and total.group(1) == total.group(2), nxt[-2000:]
     assert not Path("/tmp/round3_hostile_payload_ran").exists() and not Path("/tmp/round3_hostile_site_ran").exists()
     shutil.rmtree(tmp_path, ignore_errors=True)
