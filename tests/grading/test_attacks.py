@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from exercises.grading import core, session
+from exercises.grading import session
 from tests.conftest import COURSE_REQUESTS, grade_recording
 
 # fixture -> (exercise it attacks, what stops it, the most it may score)
@@ -36,14 +36,6 @@ ATTACKS = {
     "composed_average": ("5c.2", "the composed run's dense average is the graded function's own body", 0),
     "planner_bytes": ("5c.3", "the planner and the grader's case builder switched off (mirrors)", 0),
 }
-
-
-@pytest.fixture
-def fresh(monkeypatch):
-    """Grade on fresh inputs, as run_autograder does (the salt is reset afterwards)."""
-    def use(secret: bytes) -> None:
-        monkeypatch.setattr(core, "_SALT", secret)
-    return use
 
 
 @pytest.mark.parametrize("fixture", sorted(ATTACKS))
