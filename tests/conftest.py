@@ -276,19 +276,28 @@ def pytest_collection_modifyitems(config, items):
 # -- a learner's module with one classic mistake, graded ---------------------------------------------
 
 
-def grade_mutant(tmp_path, monkeypatch, package: str, module: str, source: str, ex_id: str, *, hidden: bool = True):
-    """Grade ``source`` as the learner's ``module`` (in a fresh package ``package`` under ``tmp_path``)
-    on exercise ``ex_id``; return the messages of its failed checks (it must lose points)."""
+def grade_package(tmp_path, monkeypatch, package: str, modules: dict[str, str], ids: list[str], *,
+                  hidden: bool = False) -> dict:
+    """Grade a learner's package written here — ``{module: source}`` in a fresh package ``package`` under
+    ``tmp_path`` — on exercises ``ids``; return ``{exercise id: result}`` (the package is forgotten after)."""
     from exercises.grading import session
     pkg = tmp_path / package
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / f"{module}.py").write_text(source)
+    for module, source in modules.items():
+        (pkg / f"{module}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        (res,) = session.grade(package, [ex_id], include_hidden=hidden)
+        return {r.exercise.id: r for r in session.grade(package, ids, include_hidden=hidden)}
     finally:
-        sys.modules.pop(package, None)
+        for m in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            sys.modules.pop(m, None)
+
+
+def grade_mutant(tmp_path, monkeypatch, package: str, module: str, source: str, ex_id: str, *, hidden: bool = True):
+    """Grade ``source`` as the learner's ``module`` (in a fresh package ``package`` under ``tmp_path``)
+    on exercise ``ex_id``; return the messages of its failed checks (it must lose points)."""
+    res = grade_package(tmp_path, monkeypatch, package, {module: source}, [ex_id], hidden=hidden)[ex_id]
     assert res.score < res.max_score, f"the mutant {package} earned full marks on {ex_id}"
     return [c.message for c in res.checks if not c.passed]
 

@@ -6,12 +6,12 @@ grader tests; here each mutant is graded and its feedback read.
 """
 from __future__ import annotations
 
-import sys
 import textwrap
 
 import pytest
 
-from exercises.grading import core, session
+from exercises.grading import core
+from tests.conftest import grade_package
 
 SYNC = '''
 from reference import comm
@@ -80,16 +80,7 @@ def grade(tmp_path, monkeypatch, mistake: str | None, ids: list[str], only: str 
         for i in ids:
             every = ALL_CHECKS.setdefault(i, list(registry[i].checks))
             monkeypatch.setattr(registry[i], "checks", [c for c in every if c.name.startswith(only)])
-    pkg = tmp_path / name
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "compose.py").write_text(textwrap.dedent(SYNC.format(mistake=mistake)))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    try:
-        return {r.exercise.id: r for r in session.grade(name, ids, include_hidden=False)}
-    finally:
-        for m in [m for m in sys.modules if m.startswith(name)]:
-            sys.modules.pop(m, None)
+    return grade_package(tmp_path, monkeypatch, name, {"compose": textwrap.dedent(SYNC.format(mistake=mistake))}, ids)
 
 
 def failures(res) -> dict[str, str]:

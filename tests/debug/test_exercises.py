@@ -5,12 +5,12 @@ off while 6.3 is graded."""
 from __future__ import annotations
 
 import inspect
-import sys
 import textwrap
 
 import pytest
 
-from exercises.grading import core, session
+from exercises.grading import core
+from tests.conftest import grade_package
 from reference.debug.accumulate import accumulate_gradients_given
 
 # the given step, its body copied unchanged, as the learner's accumulate_gradients
@@ -49,16 +49,8 @@ def grade(tmp_path, monkeypatch, mistake: str, ids: list[str], only: str | None 
         registry = core.load_checks()
         for i in ids:
             monkeypatch.setattr(registry[i], "checks", [c for c in registry[i].checks if c.name.startswith(only)])
-    pkg = tmp_path / name
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "debug.py").write_text(textwrap.dedent(SUBMISSION).replace("{mistake}", mistake).replace("{given}", GIVEN))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    try:
-        return {r.exercise.id: r for r in session.grade(name, ids, include_hidden=False)}
-    finally:
-        for m in [m for m in sys.modules if m.startswith(name)]:
-            sys.modules.pop(m, None)
+    source = textwrap.dedent(SUBMISSION).replace("{mistake}", mistake).replace("{given}", GIVEN)
+    return grade_package(tmp_path, monkeypatch, name, {"debug": source}, ids)
 
 
 def test_the_given_step_submitted_unchanged_earns_nothing_and_is_told_it_is_the_mean_of_means(tmp_path, monkeypatch):
