@@ -111,6 +111,20 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def return_freed_memory(threshold: int = 64 << 10) -> bool:
+    """The opposite of :func:`keep_freed_memory`: blocks from ``threshold`` bytes up get pages of their own
+    and go back to the kernel when freed, and the heap is trimmed above ``threshold``, so what a process
+    maps tracks what it holds.  The grader's memory checks call it in each rank before the learner's code:
+    a cap on the address space then caps live tensors, not what the allocator happened to keep."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
 def malloc_settings_from_environment() -> None:
     """What glibc reads from the environment when a process starts (``MALLOC_MMAP_THRESHOLD_``, and the
     trim threshold beside it), set through ``mallopt`` now: a rank forked from the zygote

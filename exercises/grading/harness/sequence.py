@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from reference.rank_program import return_freed_memory
+
 
 def tokens_tensor(shape: tuple[int, ...], dim: int) -> torch.Tensor:
     """A float64 tensor whose entries along ``dim`` at index 0 elsewhere are the token positions,
@@ -157,6 +159,7 @@ def ring_memory_harness(module: str, mine: tuple, causal: bool, shape: tuple) ->
     the grader to check the values, little to send back (the runner caps this rank's memory)."""
     from . import function
     seed, u = mine
+    return_freed_memory()
     q, k, v = _shard_from_seed(seed, shape, 3)
     res = function(module, "ring_attention_forward")(q, k, v, causal=causal, layout="contiguous")
     if not isinstance(res, (tuple, list)) or len(res) != 2 or not isinstance(res[0], torch.Tensor):
@@ -169,6 +172,7 @@ def ring_backward_memory_harness(module: str, mine: tuple, causal: bool, shape: 
     grader) in ``mine`` with the seed and a probe vector u.  Returns dq·u, dk·u, dv·u."""
     from . import function
     seed, out, lse, u = mine
+    return_freed_memory()
     dout, q, k, v = _shard_from_seed(seed, shape, 4)
     res = function(module, "ring_attention_backward")(dout, q, k, v, out, lse, causal=causal, layout="contiguous")
     if not isinstance(res, (tuple, list)) or len(res) != 3:
