@@ -42,7 +42,8 @@ import time
 from multiprocessing import connection as mpc
 from multiprocessing.reduction import recv_handle, send_handle
 
-__all__ = ["announce", "available", "fork_rank", "ForkedRank", "reap", "ZygoteUnavailable", "zygote_pid", "warm"]
+__all__ = ["announce", "available", "fork_call", "fork_rank", "ForkedRank", "reap", "ZygoteUnavailable", "zygote_pid",
+           "zygote_pids", "warm"]
 
 PRELOAD = ("torch", "torch.distributed")      # what every rank needs and costs seconds to import
 
@@ -60,11 +61,19 @@ def available() -> bool:
 # Inside the zygote
 
 
-def serve(fd: int) -> None:
-    """The zygote's life: import torch, then fork a rank for each request until the caller goes."""
+def serve(fd: int, private: bool = False) -> None:
+    """The zygote's life: import torch, then fork a rank (or a call) for each request until the caller goes.
+
+    ``private``: nobody may read or trace this process, not even its own user (``PR_SET_DUMPABLE`` 0) —
+    the zygote of a grader's runners, whose learner code runs as the zygote's user."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)        # an interrupt is for the ranks, not for us
+    if private:
+        import ctypes
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)          # PR_SET_DUMPABLE
     parent = os.getppid()
     conn = mpc.Connection(fd)
+    started_with = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    _BASE_PATH[:] = [p for p in sys.path if p and p not in started_with]
     for name in PRELOAD:
         __import__(name)
     wake_r, wake_w = os.pipe()                          # SIGCHLD writes here: a rank to reap
@@ -90,7 +99,6 @@ def serve(fd: int) -> None:
                 if msg[1] in children:
                     os.kill(msg[1], signal.SIGKILL)
                 continue
-            _, rank, cfg, env, path, cwd = msg
             rank_fd = recv_handle(conn)
             threads = len(os.listdir("/proc/self/task"))
             if threads != 1:
@@ -98,8 +106,10 @@ def serve(fd: int) -> None:
                 conn.send(("refused", f"the zygote runs {threads} threads; forking it is not safe"))
                 continue
             pid = os.fork()
-            if pid == 0:
-                _become_rank(rank, rank_fd, cfg, env, path, cwd)     # never returns
+            if pid == 0:                                                # never returns
+                if msg[0] == "call":
+                    _become_call(rank_fd, *msg[1:])
+                _become_rank(rank_fd, *msg[1:])
             os.close(rank_fd)
             children.add(pid)
             conn.send(("pid", pid))
@@ -129,30 +139,77 @@ def reap(children: set[int], conn) -> None:
             return
 
 
-def _become_rank(rank: int, fd: int, cfg: dict, env: dict, path: list[str], cwd: str) -> None:
+def _take_state(fd: int, env: dict, path: list[str], cwd: str) -> None:
+    """In a forked child: drop the zygote's state (its signal handlers, every other open file), take the
+    caller's environment, import path and working folder."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.closerange(3, fd)                                # nothing of the zygote's stays open in the child
+    os.closerange(fd + 1, 65536)
+    os.environ.clear()
+    os.environ.update(env)
+    if "torch.distributed" in sys.modules:              # read at import, in the zygote: read it again
+        sys.modules["torch.distributed"].set_debug_level_from_env()   # TORCH_DISTRIBUTED_DEBUG
+    sys.path[:] = path
+    try:
+        os.chdir(cwd)
+    except OSError:
+        pass
+
+
+def _become_rank(fd: int, rank: int, cfg: dict, env: dict, path: list[str], cwd: str) -> None:
     """In the forked child: drop the zygote's state, take the world's, run the rank program."""
     code = 1
     try:
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.closerange(3, fd)                            # nothing of the zygote's stays open in the rank
-        os.closerange(fd + 1, 65536)
-        os.environ.clear()
-        os.environ.update(env)
-        if "torch.distributed" in sys.modules:          # read at import, in the zygote: read it again
-            sys.modules["torch.distributed"].set_debug_level_from_env()   # TORCH_DISTRIBUTED_DEBUG
-        sys.path[:] = path
-        try:
-            os.chdir(cwd)
-        except OSError:
-            pass
+        _take_state(fd, env, path, cwd)
         from .rank_program import _rank_main, malloc_settings_from_environment
         malloc_settings_from_environment()
         _rank_main(rank, fd, dict(cfg, pdeathsig=True))   # the zygote has one thread: safe to tie to it
         code = 0
     finally:
         os._exit(code)
+
+
+def _become_call(fd: int, target: str, args: tuple, env: dict, cwd: str) -> None:
+    """In the forked child: a fresh interpreter's start, but for torch — run ``target(fd, *args)`` as
+    ``python -c "from module import function; function(fd, *args)"`` would, in its own session, and exit
+    as that interpreter would (the code of a ``SystemExit``, 1 after an uncaught exception).
+
+    The import path is the one a fresh interpreter builds from ``env``'s ``PYTHONPATH``, and this package
+    (imported from the zygote's own path) is forgotten: the child imports the course from its own."""
+    code = 1
+    try:
+        os.setsid()
+        _take_state(fd, env, _fresh_path(env), cwd)
+        mine = __name__.split(".")[0]
+        for name in [m for m in sys.modules if m == mine or m.startswith(mine + ".")]:
+            del sys.modules[name]
+        import importlib
+        module, _, function = target.partition(":")
+        try:
+            getattr(importlib.import_module(module), function)(fd, *args)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        import atexit
+        atexit._run_exitfuncs()                         # what the interpreter runs at its exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+_BASE_PATH: list[str] = []          # the zygote's own import path without its PYTHONPATH (set on start)
+
+
+def _fresh_path(env: dict) -> list[str]:
+    """``sys.path`` of ``python -c`` started with ``env``: the working folder, PYTHONPATH, the rest."""
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [""] + extra + [p for p in _BASE_PATH if p not in extra]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,13 +219,16 @@ def _become_rank(rank: int, fd: int, cfg: dict, env: dict, path: list[str], cwd:
 class _Zygote:
     """The caller's end: one zygote process, its socket, and the exit codes it reported."""
 
-    def __init__(self):
+    def __init__(self, env: dict | None = None, private: bool = False, **popen):
+        """``env``, ``popen`` (``user=``, ``cwd=``, ...): how to start it (default: as this process, with its
+        import path); ``private``: see :func:`serve`."""
         ours, theirs = socket.socketpair()
-        env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(dict.fromkeys(p or os.getcwd() for p in sys.path)))
+        if env is None:
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(dict.fromkeys(p or os.getcwd() for p in sys.path)))
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", f"from reference.zygote import serve; serve({theirs.fileno()})"],
-            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, close_fds=True)
+            [sys.executable, "-c", f"from reference.zygote import serve; serve({theirs.fileno()}, {private!r})"],
+            pass_fds=(theirs.fileno(),), env=dict(env, OMP_NUM_THREADS="1"), stdin=subprocess.DEVNULL,
+            close_fds=True, **popen)
         theirs.close()
         self.conn = mpc.Connection(ours.detach())
         self.lock = threading.Lock()
@@ -197,9 +257,13 @@ class _Zygote:
                 pass
 
     def fork(self, rank: int, fd: int, cfg: dict, env: dict, timeout: float) -> int:
+        return self._request(("fork", rank, cfg, env, list(sys.path), os.getcwd()), fd, timeout, f"rank {rank}")
+
+    def _request(self, msg: tuple, fd: int, timeout: float, what: str) -> int:
+        """Send a fork request with ``fd`` for the child; the child's pid."""
         with self.lock:
             try:
-                self.conn.send(("fork", rank, cfg, env, list(sys.path), os.getcwd()))
+                self.conn.send(msg)
                 send_handle(self.conn, fd, self.proc.pid)
                 deadline = time.monotonic() + timeout
                 while time.monotonic() < deadline:
@@ -215,7 +279,7 @@ class _Zygote:
                         raise ZygoteUnavailable(msg[1])
             except (EOFError, OSError) as e:
                 raise ZygoteUnavailable(f"the zygote is gone ({e})") from None
-        raise ZygoteUnavailable(f"the zygote did not fork rank {rank} within {timeout:g} s")
+        raise ZygoteUnavailable(f"the zygote did not fork {what} within {timeout:g} s")
 
     def kill(self, pid: int) -> None:
         with self.lock:
@@ -255,6 +319,11 @@ def zygote_pid() -> int | None:
     return z.proc.pid if z is not None and z.alive() else None
 
 
+def zygote_pids() -> set[int]:
+    """Every zygote this process runs: the ranks' and those of :func:`fork_call` (they outlive a task)."""
+    return {z.proc.pid for z in [_current, *_callers.values()] if z is not None and z.alive()}
+
+
 def warm() -> bool:
     """True once this process's zygote has torch imported (its next ranks start in milliseconds)."""
     z = _current
@@ -270,8 +339,9 @@ def announce(world_size: int) -> None:
 
 @atexit.register
 def _stop() -> None:
-    if _current is not None and _current.owner == os.getpid():
-        _current.stop()
+    for z in [_current, *_callers.values()]:
+        if z is not None and z.owner == os.getpid():
+            z.stop()
 
 
 class ForkedRank:
@@ -303,6 +373,36 @@ class ForkedRank:
     def kill(self) -> None:
         if self.poll() is None:
             self._zygote.kill(self.pid)
+
+
+_callers: dict[int | None, _Zygote] = {}     # user id (None: ours) -> a private zygote for fork_call
+
+
+def fork_call(target: str, fd: int, args: tuple, *, env: dict, cwd: str, user=None, timeout: float) -> ForkedRank:
+    """Start ``target(fd, *args)`` (``"module:function"``) as ``python -c`` with ``env``, in ``cwd``, as ``user``
+    (a ``pwd`` entry, or None: this process's user) would, in a session of its own — but forked from a
+    private zygote of that user that has torch imported already: milliseconds instead of a second and
+    more of CPU.  (The grader starts a runner per exercise this way.)  The zygote, started on first use
+    with ``env`` and ``cwd``, holds nothing but torch; nobody may trace or read it (:func:`serve`).
+    Raises :class:`ZygoteUnavailable` if it cannot; the caller then starts the process itself."""
+    key = None if user is None else user.pw_uid
+    with _lock:
+        z = _callers.get(key)
+        if z is None or not z.alive():
+            popen = {} if user is None else dict(user=user.pw_uid, group=user.pw_gid, extra_groups=[])
+            z = _callers[key] = _Zygote(env, private=True, cwd=cwd, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, **popen)
+    try:       # a warm zygote answers in milliseconds: one that does not was stopped or is stuck
+        pid = z._request(("call", target, tuple(args), env, cwd), fd, min(timeout, 10.0) if z.warm else timeout,
+                         target)
+    except ZygoteUnavailable:
+        with _lock:
+            if _callers.get(key) is z:
+                del _callers[key]
+        z.proc.kill()                                   # the next call starts a new one
+        z.proc.wait()
+        raise
+    return ForkedRank(pid, z)
 
 
 def fork_rank(rank: int, fd: int, cfg: dict, env: dict, timeout: float) -> ForkedRank:
