@@ -20,6 +20,8 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
+from reference.zygote import zygote_pids
+
 from . import core, machine
 from .core import (START_ALLOWANCE, Check, CheckFailed, CheckResult, CheckTimedOut, Context, Exercise, ExerciseResult,
                    MachineBusy,
@@ -162,7 +164,7 @@ def grade(solutions: str = "exercises", ids: Sequence[str] | None = None, *, inc
                                                end, factor, speed))
             finally:
                 runner.kill()
-                sweep(keep=spare + before)
+                sweep(keep=spare + before + sorted(zygote_pids()))   # the runners' zygote stays
             if on_exercise is not None:
                 on_exercise(list(results))
     finally:
