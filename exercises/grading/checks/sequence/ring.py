@@ -274,7 +274,7 @@ def _(ctx):
 # each may map during the call (set by the runner, out of the rank's reach) that the ring fits with
 # room to spare and a rank holding every K/V block does not.  The harness first makes malloc give freed
 # blocks back (rank_program.return_freed_memory), so what a rank maps is what it holds: measured, the
-# reference and a learner's ring need 13-16 blocks, a ring that keeps every block 33-36.  (With the
+# reference and a learner's ring need 13-16 blocks, a ring that keeps every block 31-36.  (With the
 # allocator keeping freed blocks, a learner's honest backward once mapped past its cap on a busy CI run.)
 
 MEMORY_W, MEMORY_SHAPE, MEMORY_CAP_BLOCKS = 12, (1, 4, 32, 1024), 25
