@@ -89,6 +89,18 @@ class _OutputForwarder:
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3     # glibc's mallopt parameters (malloc.h)
 
 
+def set_malloc_thresholds(mmap: int, trim: int) -> bool:
+    """glibc's ``mallopt``: blocks from ``mmap`` bytes up get pages of their own (given back when freed),
+    and free heap above ``trim`` bytes is given back.  True if glibc took both (False off glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(mmap))) and bool(libc.mallopt(M_TRIM_THRESHOLD, int(trim)))
+    except (OSError, AttributeError):
+        return False
+
+
 def keep_freed_memory() -> bool:
     """Ask glibc's malloc to keep freed memory for the next step; True if it did (False off glibc).
 
@@ -102,13 +114,9 @@ def keep_freed_memory() -> bool:
     starts a world (:meth:`reference.launch.World.start`), so that a peer timed there runs alike.
     ``COURSE_KEEP_FREED_MEMORY=0`` in the environment leaves glibc's defaults.
     """
-    if not sys.platform.startswith("linux") or os.environ.get("COURSE_KEEP_FREED_MEMORY", "1") == "0":
+    if os.environ.get("COURSE_KEEP_FREED_MEMORY", "1") == "0":
         return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
-    except (OSError, AttributeError):
-        return False
+    return set_malloc_thresholds(32 << 20, 1 << 30)
 
 
 def return_freed_memory(threshold: int = 64 << 10) -> bool:
@@ -116,13 +124,7 @@ def return_freed_memory(threshold: int = 64 << 10) -> bool:
     and go back to the kernel when freed, and the heap is trimmed above ``threshold``, so what a process
     maps tracks what it holds.  The grader's memory checks call it in each rank before the learner's code:
     a cap on the address space then caps live tensors, not what the allocator happened to keep."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, threshold))
-    except (OSError, AttributeError):
-        return False
+    return set_malloc_thresholds(threshold, threshold)
 
 
 def malloc_settings_from_environment() -> None:
@@ -131,11 +133,8 @@ def malloc_settings_from_environment() -> None:
     (:mod:`reference.zygote`) inherits the zygote's allocator, not its own start.  A fixed mmap threshold
     also fixes glibc's trim threshold, at 128 KiB unless ``MALLOC_TRIM_THRESHOLD_`` says otherwise."""
     mmap = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    if mmap is None or not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(M_MMAP_THRESHOLD, int(mmap))
-    libc.mallopt(M_TRIM_THRESHOLD, int(os.environ.get("MALLOC_TRIM_THRESHOLD_", 128 << 10)))
+    if mmap is not None:
+        set_malloc_thresholds(int(mmap), int(os.environ.get("MALLOC_TRIM_THRESHOLD_", 128 << 10)))
 
 
 def _die_with_parent(use_pdeathsig: bool) -> None:
