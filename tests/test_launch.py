@@ -213,6 +213,16 @@ def test_ranks_keep_freed_memory_for_the_next_step_unless_told_not_to(monkeypatc
         assert world.run(W.freed_block_stays_in_the_heap).values == [(True, False)]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_a_rank_that_returns_freed_memory_maps_what_it_holds(no_orphans):
+    """The grader's memory checks cap the address space: after return_freed_memory a freed 1 MiB block is
+    given back (a rank that keeps freed memory keeps it in its heap, where the cap would still count it)."""
+    with World(1, timeout=30) as world:
+        assert world.run(W.freed_block_stays_in_the_heap, 1 << 20).values == [(False, True)]
+    with World(1, timeout=30) as world:          # (a heap that holds a free block already would serve it again)
+        assert world.run(W.freed_block_after_return_freed_memory, 1 << 20).values == [(True, True)]
+
+
 def test_a_kept_alive_world_runs_the_edit_of_a_module_its_ranks_imported(tmp_path, monkeypatch, capsys, no_orphans):
     """A learner fixes their exercise and runs the demo cell again: the kept-alive ranks had imported the
     old file, so the world starts afresh, says why, and runs the edit; an unchanged file keeps the ranks."""

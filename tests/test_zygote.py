@@ -42,10 +42,12 @@ def _env(tmp_path, **extra) -> dict:
 
 def test_a_forked_call_sees_the_callers_environment_path_folder_and_a_session_of_its_own(tmp_path, no_orphans):
     (tmp_path / "work").mkdir()
-    proc, seen, code = _call("report", _env(tmp_path), str(tmp_path / "work"))
+    _, first, _ = _call("report", _env(tmp_path, COURSE_MARK="first"), str(tmp_path))
+    proc, seen, code = _call("report", _env(tmp_path), str(tmp_path / "work"))     # the same zygote, warm
     assert code == 0 and seen["pid"] == proc.pid
     assert seen["torch"], "torch was not imported in the zygote"
-    assert seen["env"]["COURSE_MARK"] == "mine" and "PYTEST_CURRENT_TEST" not in seen["env"]
+    assert first["env"]["COURSE_MARK"] == "first" and seen["env"]["COURSE_MARK"] == "mine"   # each call's own
+    assert "PYTEST_CURRENT_TEST" not in seen["env"]
     assert seen["path"][:3] == ["", str(tmp_path), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
     assert seen["cwd"] == str(tmp_path / "work")
     assert seen["sid"] == proc.pid and proc.pid not in zygote.zygote_pids()

