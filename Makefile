@@ -29,7 +29,9 @@ lab: $(VENV)/.stamp-lab
 	JUPYTER_CONFIG_PATH="$(LAB_CONFIG)" $(VPY) -m jupyter lab --port $(PORT) $(LAB_FLAGS) $(LAB_ROOT) notebooks/index.ipynb
 
 test: $(VENV)/.stamp-test
-	$(VPY) -m pytest
+	$(VPY) -m pytest -n $(or $(TEST_JOBS),2)
+# On two workers (pytest-xdist): a test file runs on one of them, the longest files first (tests/parallel_run.py);
+# `make test TEST_JOBS=0` runs everything in one process.
 # Benchmarks, not tests: every speed benchmark against its peer, one table of ratios (benchmarks/bench.py); quick
 # sizes (about a minute on 2 cores), `make bench FULL=1` each benchmark's own sizes (about three).  In test's block so
 # that the student release's Makefile leaves it out with test (release.py's student_makefile): no benchmarks/ there.

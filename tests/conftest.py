@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from tests import parallel_run
+
 
 def descendants(pid: int | None = None) -> set[int]:
     """PIDs of all living descendants of ``pid`` (default: this process), read from /proc."""
@@ -87,7 +89,6 @@ def _close_idle_worlds():
     yield
 
 
-_grades: dict[str, tuple[list, float]] = {}
 COURSE_REQUESTS: dict[str, dict] = {}      # solutions -> {(exercise, check): digests of what it sent learner code}
 COURSE_ORACLE: dict[tuple[str, str], dict] = {}   # (exercise, visible check) -> the oracle answers it recorded
 
@@ -135,29 +136,26 @@ def grade_recording(solutions: str, secret: bytes | None = None, ids=None, oracl
 @pytest.fixture(scope="session")
 def course_grades():
     """``course_grades(solutions)`` -> (results of every exercise, hidden checks included, seconds it
-    took): the whole course graded once per session and shared by the tests that need it (what each
+    took): the whole course graded once per test run and shared by the tests that need it (what each
     check sent learner code is kept in ``COURSE_REQUESTS[solutions]``; for the reference, the oracle
     answers of its visible checks in ``COURSE_ORACLE``: the student release is built from them)."""
     def get(solutions: str):
-        if solutions not in _grades:
+        def grade():
             t0 = time.perf_counter()
-            results, COURSE_REQUESTS[solutions] = grade_recording(
-                solutions, oracle=COURSE_ORACLE if solutions == "reference" else None)
-            _grades[solutions] = (results, time.perf_counter() - t0)
-        return _grades[solutions]
+            oracle = {} if solutions == "reference" else None
+            results, requests = grade_recording(solutions, oracle=oracle)
+            return results, time.perf_counter() - t0, requests, oracle
+        results, seconds, COURSE_REQUESTS[solutions], oracle = parallel_run.once(f"course-grades-{solutions}", grade)
+        COURSE_ORACLE.update(oracle or {})
+        return results, seconds
     return get
-
-
-_fresh: list[tuple[list, dict]] = []
 
 
 @pytest.fixture(scope="session")
 def fresh_course_grades():
     """(results, {(exercise, check): request digests}): the reference graded on the whole course, hidden
-    checks included, on fresh inputs from one secret drawn for the session — as ``run_autograder`` grades."""
-    if not _fresh:
-        _fresh.append(grade_recording("reference", os.urandom(32)))
-    return _fresh[0]
+    checks included, on fresh inputs from one secret drawn for the test run — as ``run_autograder`` grades."""
+    return parallel_run.once("course-grades-fresh", lambda: grade_recording("reference", os.urandom(32)))
 
 
 # -- the student release, built once per session -----------------------------------------------------
@@ -185,11 +183,25 @@ def release_answers(course_grades) -> dict | None:
 @pytest.fixture(scope="session")
 def student_release(tmp_path_factory, course_grades):
     """The student release (``make release``) in a temporary folder, its oracle answers recorded while the
-    session graded the reference (``course_grades``): test_release.py checks it, test_browser.py opens its
-    notebooks in JupyterLab."""
+    test run graded the reference (``course_grades``): test_release.py checks it, test_browser.py opens its
+    notebooks in JupyterLab.  Built once per run; its demos are recorded with no other test running
+    (``parallel_run.QUIET``: their timing stories must hold)."""
     from exercises.grading import release
-    return release.build_student(tmp_path_factory.mktemp("release"), release_ids(), make_zip=True,
-                                 answers=release_answers(course_grades))
+    from reference.notebook import recorded
+
+    def build():
+        record_all = recorded.record_all
+
+        def record_quietly(*args, **kw):
+            with parallel_run.QUIET.alone():
+                return record_all(*args, **kw)
+        recorded.record_all = record_quietly
+        try:
+            return release.build_student(parallel_run.shared_folder(tmp_path_factory, "release"), release_ids(),
+                                         make_zip=True, answers=release_answers(course_grades))
+        finally:
+            recorded.record_all = record_all
+    return parallel_run.once("student-release", build)
 
 
 @pytest.fixture(scope="session")
@@ -267,12 +279,31 @@ def grading_cell(source: str) -> bool:
                                for ln in lines) and any("check(" in ln for ln in lines)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n 2``: one worker per test file, the longest files first (tests/parallel_run.py)."""
+    if config.getoption("dist") in ("load", "loadfile", "loadscope"):
+        return parallel_run.make_scheduler(config, log)
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test (its fixtures too) holds the run's quiet lock shared: a timing recording waits for it."""
+    parallel_run.QUIET.shared()
+    try:
+        return (yield)
+    finally:
+        parallel_run.QUIET.release()
+
+
 def pytest_configure(config):
     """nbval's kernels (started with this process's environment) draw each replay's static picture, not its HTML
     animation: tests/notebook/test_browser.py has every release notebook's replays drawn as animations in
     JupyterLab (the website's test builds its pages from those), so drawing them again here would only cost the
     suite their CPU time (about 15-20 s over the seven lectures).  COURSE_ANIMATIONS=html make test draws them."""
     os.environ.setdefault("COURSE_ANIMATIONS", "off")
+    parallel_run.configure(config)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,7 +20,7 @@ import pytest
 from exercises.grading import core, sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT = 3   # seconds per check: a hang or a deadlock costs this much
+TIMEOUT = 5   # seconds per check: a hang or a deadlock costs this much
 
 
 def grade(tmp_path: Path, fixture: str, *extra: str) -> tuple[dict, str]:
