@@ -137,10 +137,8 @@ def subgroup_timeout():
     return comm._default_timeout()
 
 
-def freed_block_stays_in_the_heap(nbytes: int = 20 << 20) -> tuple[bool, bool]:
-    """(came from mmap, stayed in malloc's free list after free) for one ``nbytes`` block: glibc's
-    ``mallinfo2`` before and after.  By default glibc maps a block this large on its own and unmaps
-    it on free; with reference.rank_program.keep_freed_memory it comes from the heap and stays."""
+def _glibc_malloc():
+    """glibc with ``malloc``, ``free`` and ``mallinfo2`` (its allocator's statistics) typed for ctypes."""
     import ctypes
 
     class Mallinfo2(ctypes.Structure):
@@ -149,11 +147,26 @@ def freed_block_stays_in_the_heap(nbytes: int = 20 << 20) -> tuple[bool, bool]:
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype, libc.malloc.restype, libc.free.argtypes = Mallinfo2, ctypes.c_void_p, [ctypes.c_void_p]
-    mapped_before = libc.mallinfo2().hblkhd
+    return libc
+
+
+def _malloc_and_free(libc, nbytes: int) -> bool:
+    """Allocate, touch and free one ``nbytes`` block; True if it was mapped on its own (``hblkhd`` grew)."""
+    import ctypes
+    before = libc.mallinfo2().hblkhd
     p = libc.malloc(nbytes)
     ctypes.memset(p, 1, nbytes)
-    mapped = libc.mallinfo2().hblkhd - mapped_before >= nbytes
+    mapped = libc.mallinfo2().hblkhd - before >= nbytes
     libc.free(p)
+    return mapped
+
+
+def freed_block_stays_in_the_heap(nbytes: int = 20 << 20) -> tuple[bool, bool]:
+    """(came from mmap, stayed in malloc's free list after free) for one ``nbytes`` block: glibc's
+    ``mallinfo2`` before and after.  By default glibc maps a block this large on its own and unmaps
+    it on free; with reference.rank_program.keep_freed_memory it comes from the heap and stays."""
+    libc = _glibc_malloc()
+    mapped = _malloc_and_free(libc, nbytes)
     return mapped, libc.mallinfo2().fordblks >= nbytes
 
 
@@ -161,20 +174,10 @@ def freed_block_after_return_freed_memory(nbytes: int = 1 << 20) -> tuple[bool, 
     """(mapped on its own, unmapped when freed) for one ``nbytes`` block after
     reference.rank_program.return_freed_memory (what the grader's memory checks call in each rank):
     glibc's ``mallinfo2().hblkhd``, the bytes of blocks mapped on their own, before, with and after it."""
-    import ctypes
-
     from reference.rank_program import return_freed_memory
 
-    class Mallinfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
-
     assert return_freed_memory()
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype, libc.malloc.restype, libc.free.argtypes = Mallinfo2, ctypes.c_void_p, [ctypes.c_void_p]
+    libc = _glibc_malloc()
     before = libc.mallinfo2().hblkhd
-    p = libc.malloc(nbytes)
-    ctypes.memset(p, 1, nbytes)
-    mapped = libc.mallinfo2().hblkhd - before >= nbytes
-    libc.free(p)
+    mapped = _malloc_and_free(libc, nbytes)
     return mapped, libc.mallinfo2().hblkhd == before
