@@ -134,13 +134,16 @@ class World:
     record:   record trace events in the ranks during :meth:`run`
     keep_freed_memory:  ranks keep freed memory for the next step (:func:`reference.rank_program.keep_freed_memory`);
               False leaves glibc's defaults, under which a resident-memory peak measures what a step allocates
+    watch_sources:  ranks report the source files they imported, and a run after one of them changed starts
+              fresh ranks (below); False for a world that runs once (the report costs each new rank ~15 ms)
 
     After a failure the ranks are stopped; the next :meth:`run` starts fresh ones.  So it does when a
     file the ranks imported has changed since (the next run imports the edit).
     """
 
     def __init__(self, world_size: int, *, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 threads: int = 1, echo: bool = True, record: bool = True, keep_freed_memory: bool = True):
+                 threads: int = 1, echo: bool = True, record: bool = True, keep_freed_memory: bool = True,
+                 watch_sources: bool = True):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
         if backend not in (None, "gloo", "nccl"):
@@ -154,6 +157,7 @@ class World:
         self.echo = echo
         self.record = record
         self.keep_freed_memory = keep_freed_memory
+        self.watch_sources = watch_sources
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._status: list[Any] = []
@@ -197,7 +201,7 @@ class World:
         self.port = self._store.port
         pg_timeout = max(self.timeout * 2, 120.0)
         cfg = dict(world_size=self.world_size, backend=self.backend, port=self.port,
-                   threads=self.threads, pg_timeout=pg_timeout,
+                   threads=self.threads, pg_timeout=pg_timeout, report_sources=self.watch_sources,
                    pdeathsig=threading.current_thread() is threading.main_thread())
         env = dict(os.environ)
         path = [p or os.getcwd() for p in sys.path]  # ranks import what the caller can import
@@ -474,7 +478,7 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAUL
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     _check_callable(fn)
     _dumps_args(args, kwargs)
-    with World(world_size, backend=backend, timeout=timeout) as world:
+    with World(world_size, backend=backend, timeout=timeout, watch_sources=False) as world:
         return world.run(fn, *args, **kwargs)
 
 

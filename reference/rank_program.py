@@ -364,6 +364,7 @@ def _rank_main(rank: int, fd: int, cfg: dict) -> None:
     link.send(("ready",))
     from . import comm as _comm                 # (imports torch: after the rank reported its own start)
     seen: set[str] = set()                      # modules whose source files were reported (_report_sources)
+    report = cfg.get("report_sources", True)    # (World's watch_sources)
 
     while True:
         try:
@@ -387,13 +388,15 @@ def _rank_main(rank: int, fd: int, cfg: dict) -> None:
             except Exception as e:
                 raise TypeError(f"rank {rank} returned a value that cannot be sent back to the "
                                 f"caller ({type(value).__name__}): {e}") from e
-            _report_sources(link, seen)
+            if report:
+                _report_sources(link, seen)
             fwd.sync()
             with link.lock:
                 conn.send_bytes(data)
         except BaseException as e:  # SystemExit and KeyboardInterrupt too: report, keep serving
             events = list(_trace.stop()) if record else []
-            _report_sources(link, seen)
+            if report:
+                _report_sources(link, seen)
             fwd.sync()
             tb = traceback.format_exc()
             try:

@@ -10,6 +10,7 @@ the world starts fresh ranks, which import the edit.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -39,6 +40,23 @@ def _stamp(path: str) -> Stamp | None:
     return st.st_mtime_ns, st.st_size
 
 
+@functools.cache
+def _real_folder(folder: str) -> str:
+    """``folder`` with its symbolic links resolved, and a trailing separator."""
+    return os.path.join(os.path.realpath(folder), "")
+
+
+@functools.cache
+def _editable_source(path: str) -> str | None:
+    """The real path of the source file ``path`` (a module's ``__file__``), or None for a file of the
+    standard library or an installed package.  Cached: a rank forked from a zygote inherits what the
+    zygote looked at (torch alone is ~2,000 modules in ~200 folders, and a grading starts hundreds of ranks)."""
+    real = _real_folder(os.path.dirname(path)) + os.path.basename(path)
+    if os.path.islink(real):
+        real = os.path.realpath(real)
+    return None if real.startswith(_installed()) else real
+
+
 def imported_since(seen: set[str]) -> dict[str, Stamp]:
     """Source files of the modules imported since the last call (``seen``: module names already
     looked at, updated), outside the standard library and installed packages: {path: stamp}."""
@@ -50,9 +68,9 @@ def imported_since(seen: set[str]) -> dict[str, Stamp]:
         path = getattr(module, "__file__", None)
         if not isinstance(path, str) or not path.endswith(".py"):
             continue
-        path = os.path.realpath(path)
-        stamp = _stamp(path)
-        if stamp is not None and not path.startswith(_installed()):
+        path = _editable_source(path)
+        stamp = None if path is None else _stamp(path)
+        if stamp is not None:
             found[path] = stamp
     return found
 

@@ -45,7 +45,10 @@ from multiprocessing.reduction import recv_handle, send_handle
 __all__ = ["announce", "available", "fork_call", "fork_rank", "ForkedRank", "reap", "ZygoteUnavailable", "zygote_pid",
            "zygote_pids", "warm"]
 
-PRELOAD = ("torch", "torch.distributed")      # what every rank needs and costs seconds to import
+# What ranks need and costs seconds to import: torch itself; torch._dynamo, which torch.optim imports the first
+# time an optimizer is built (1.1 CPU-seconds in every rank that builds one, without it); and the distributed
+# checkpoint (with DTensor), which the course's debugging recorder and checkpoints import.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint")
 
 
 class ZygoteUnavailable(RuntimeError):
@@ -76,6 +79,8 @@ def serve(fd: int, private: bool = False) -> None:
     _BASE_PATH[:] = [p for p in sys.path if p and p not in started_with]
     for name in PRELOAD:
         __import__(name)
+    from . import sources
+    sources.imported_since(set())                       # resolves torch's folders once, for every rank to come
     wake_r, wake_w = os.pipe()                          # SIGCHLD writes here: a rank to reap
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)

@@ -242,6 +242,38 @@ def test_a_kept_alive_world_runs_the_edit_of_a_module_its_ranks_imported(tmp_pat
         assert set(w.run(W.pid, 0).values).isdisjoint(ranks)
 
 
+def test_a_world_that_runs_once_reports_no_sources_and_a_kept_alive_one_does(tmp_path, monkeypatch, no_orphans):
+    """``watch_sources=False`` (run_world, the grader's worlds): the ranks skip the report, ~15 ms each."""
+    import importlib
+    (tmp_path / "imported_by_the_ranks.py").write_text("def answer():\n    return 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("imported_by_the_ranks")
+    with World(1, timeout=30) as kept, World(1, timeout=30, watch_sources=False) as once:
+        assert kept.run(module.answer).values == once.run(module.answer).values == [3]
+        assert str((tmp_path / "imported_by_the_ranks.py").resolve()) in kept._sources
+        assert once._sources == {}
+
+
+def test_a_source_path_resolves_as_realpath_through_linked_folders_and_files(tmp_path):
+    """reference.sources resolves a module's file with one lstat (its folder's resolution cached), yet as
+    os.path.realpath does: a linked folder, a linked file, a link to a link; an installed file is None."""
+    import os
+    import site
+
+    from reference import sources
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "mod.py").write_text("")
+    (tmp_path / "folder_link").symlink_to(real)
+    (real / "file_link.py").symlink_to(real / "mod.py")
+    (tmp_path / "link_to_link.py").symlink_to(real / "file_link.py")
+    for path in (real / "mod.py", tmp_path / "folder_link" / "mod.py", tmp_path / "folder_link" / "file_link.py",
+                 tmp_path / "link_to_link.py"):
+        assert sources._editable_source(str(path)) == os.path.realpath(path) == str(real / "mod.py")
+    assert sources._editable_source(os.__file__) is None
+    assert sources._editable_source(os.path.join(site.getsitepackages()[0], "x.py")) is None
+
+
 @pytest.mark.skipif(not zygote.available(), reason="ranks are forked on Linux only, unless COURSE_FORK_RANKS=0")
 def test_ranks_are_forked_from_one_zygote_and_glibcs_moving_defaults_alone_spawn_them(monkeypatch, no_orphans):
     from reference.zygote import zygote_pid

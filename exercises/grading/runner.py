@@ -202,9 +202,11 @@ class _ForkedProc:
 class ForkedWorld(_launch.World):
     """A :class:`reference.launch.World` whose ranks are forked (by the zygote) from a process
     that has torch loaded already, each with a socket of its own to ``referee``; what they send
-    back is decoded by :class:`_RankUnpickler`."""
+    back is decoded by :class:`_RankUnpickler`.  Its ranks report no source files: a check's world
+    is never run again after an edit (``watch_sources``)."""
 
     def __init__(self, *args, referee: Referee | None = None, **kwargs):
+        kwargs.setdefault("watch_sources", False)
         super().__init__(*args, **kwargs)
         self.referee = referee
 
