@@ -52,7 +52,7 @@ def ddp_story(runs: dict) -> list[str]:
     return broken
 
 
-@recordable("03.ddp_runs", needs=("3.2",), story=ddp_story)
+@recordable("03.ddp_runs", needs=("3.2",), timed=True, story=ddp_story)
 def ddp_runs(world_size: int = 2, layers: int = 6, width: int = 512, rows: int = 256, repeats: int = 3,
              accum: int = 4, world=None) -> dict:
     """The DataParallel runs of the notebook, on one world of ``world_size`` ranks.

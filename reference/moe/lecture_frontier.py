@@ -36,17 +36,19 @@ IMBALANCE = {"d_model": 128, "d_ff": 1024, "num_experts": 8, "k": 2, "tokens": 5
 
 def imbalance_story(rows: list[dict]) -> list[str]:
     """How an :func:`imbalance_cost` result contradicts lecture 5b §8.3: the lightest rank must wait longer in the
-    combine at the largest push than without one, and the busiest rank's experts must take more CPU time."""
+    combine at the largest push than any rank waited without one, and the busiest rank's experts must take more CPU
+    time.  (The busiest rank's own wait is not compared: it arrives last and waits a fraction of a millisecond.)"""
     first, last = rows[0], rows[-1]
     broken = []
-    if min(last["combine_s"]) <= min(first["combine_s"]) or max(last["combine_s"]) <= max(first["combine_s"]):
+    lightest = min(range(len(last["rows"])), key=last["rows"].__getitem__)
+    if last["combine_s"][lightest] <= max(first["combine_s"]):
         broken.append("the lightest rank did not wait longer in the combine as the load skewed")
     if max(last["experts_cpu_s"]) <= max(first["experts_cpu_s"]):
         broken.append("the busiest rank's experts did not take more CPU time")
     return broken
 
 
-@recordable("05b.imbalance_cost", needs=("5b.1",), story=imbalance_story, **_NB)
+@recordable("05b.imbalance_cost", needs=("5b.1",), timed=True, story=imbalance_story, **_NB)
 def imbalance_cost(skews: tuple = (0.0, 0.05, 0.1, 0.2), reps: int = 3, worlds: dict | None = None) -> list[dict]:
     """The dropless expert-parallel layer on 2 ranks (:data:`IMBALANCE`, float32), its choices pushed towards
     rank 0's experts by each bias in ``skews`` (:func:`.frontier_workers.skewing_bias`): per skew, the best of
@@ -96,7 +98,7 @@ def overlap_story(result: dict) -> list[str]:
     return []
 
 
-@recordable("05b.overlap_hidden", needs=("5b.1",), story=overlap_story, **_NB)
+@recordable("05b.overlap_hidden", needs=("5b.1",), timed=True, story=overlap_story, **_NB)
 def overlap_hidden(reps: int = 3, worlds: dict | None = None) -> dict:
     """The dropless expert-parallel layer on 2 ranks (:data:`OVERLAP`, float32), plain and in two overlapped
     halves: for each, the median step (forward + backward) over ``reps`` and the fraction of the dispatch and

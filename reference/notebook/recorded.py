@@ -100,6 +100,7 @@ class Recordable:
     variants: list[dict] = field(default_factory=list)
     ignore: tuple[str, ...] = ("world",)
     story: Callable[[Any], list[str]] | None = None   # result -> how it contradicts the lesson's text
+    timed: bool = False                               # the story reads wall-clock times: record on a quiet machine
 
     def call_key(self, args: tuple, kwargs: dict) -> str:
         bound = inspect.signature(self.fn).bind(*args, **kwargs)
@@ -166,15 +167,17 @@ def _replay_label(needs: Sequence[str], passed: set[str]) -> str:
 
 
 def recordable(key: str, *, needs: Sequence[str] = (), variants: Sequence[dict] = (),
-               ignore: Sequence[str] = ("world",), story: Callable[[Any], list[str]] | None = None):
+               ignore: Sequence[str] = ("world",), story: Callable[[Any], list[str]] | None = None,
+               timed: bool = False):
     """Decorator: make a notebook demo recordable under ``key`` (see the module docstring).
 
     ``story(result)`` lists the ways a run contradicts what the notebook's text says of it (timings
-    on a loaded machine can); :func:`record_all` records again, then refuses to ship such a run."""
+    on a loaded machine can); :func:`record_all` records again, then refuses to ship such a run.
+    ``timed``: the story reads wall-clock times, so nothing else should run while it is recorded."""
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         if key in REGISTRY and REGISTRY[key].fn.__qualname__ != fn.__qualname__:
             raise ValueError(f"two recordables share the key {key!r}")
-        rec = Recordable(key, fn, tuple(needs), [dict(v) for v in variants], tuple(ignore), story)
+        rec = Recordable(key, fn, tuple(needs), [dict(v) for v in variants], tuple(ignore), story, timed)
         REGISTRY[key] = rec
 
         @functools.wraps(fn)

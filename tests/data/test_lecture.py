@@ -91,7 +91,8 @@ def test_every_frame_draws_and_an_empty_trace_says_what_to_record():
 def test_a_profiled_backward_gives_both_traces_of_the_same_step_on_one_clock(world, tmp_path):
     """profiled_run on 2 live ranks (3 layers in 2 buckets): the course's trace and torch.profiler's of the same
     backward.  The profiler shows each bucket's all-reduce once, on one of gloo's own threads (not the thread that
-    computes); mapped onto the course's clock, each lies inside the course's span of a bucket (posted → waited for).
+    computes); mapped onto the course's clock, each starts inside the course's span of a bucket (posted → waited
+    for).  (Not its end: gloo's thread records that after it has woken the waiter, later on a busy machine.)
     Both files load as Chrome traces, the course's holding every event with its rank, op and bytes; every rank's
     backward also reports the CPU its gloo threads used."""
     import json
@@ -110,7 +111,7 @@ def test_a_profiled_backward_gives_both_traces_of_the_same_step_on_one_clock(wor
         slack = 2e-3
         for e in ars:
             start, end = e["ts"] / 1e6 - offset, (e["ts"] + e["dur"]) / 1e6 - offset
-            assert any(s - slack <= start and end <= t + slack for s, t in spans), (start, end, spans)
+            assert any(s - slack <= start <= t + slack for s, t in spans) and start <= end, (start, end, spans)
     paths = write_chrome_traces(run, tmp_path / "build")
     course = json.load(open(paths["course"]))["traceEvents"]
     xs = [e for e in course if e["ph"] == "X"]
