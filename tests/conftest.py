@@ -204,6 +204,9 @@ def student_release(tmp_path_factory, course_grades):
     return parallel_run.once("student-release", build)
 
 
+SITE_NOTEBOOKS = ("index", "04b_pipeline_parallelism")   # what tests/website/test_site.py builds its pages from
+
+
 @pytest.fixture(scope="session")
 def release_runs(tmp_path_factory):
     """A folder for the release's notebooks as tests/notebook/test_browser.py ran them in JupyterLab (outputs and
@@ -299,9 +302,9 @@ def pytest_runtest_protocol(item, nextitem):
 
 def pytest_configure(config):
     """nbval's kernels (started with this process's environment) draw each replay's static picture, not its HTML
-    animation: tests/notebook/test_browser.py has every release notebook's replays drawn as animations in
-    JupyterLab (the website's test builds its pages from those), so drawing them again here would only cost the
-    suite their CPU time (about 15-20 s over the seven lectures).  COURSE_ANIMATIONS=html make test draws them."""
+    animation: tests/notebook/test_browser.py has the replays of the notebooks the website's test builds its pages
+    from (SITE_NOTEBOOKS) drawn as animations in JupyterLab, and tests/widgets/test_animation.py checks the drawing;
+    drawing every lecture's would cost the suite about 15-20 s of CPU.  COURSE_ANIMATIONS=html make test draws them."""
     os.environ.setdefault("COURSE_ANIMATIONS", "off")
     parallel_run.configure(config)
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BROWSER_HOW, browser_missing, headless_chromium
+from tests.conftest import BROWSER_HOW, SITE_NOTEBOOKS, browser_missing, headless_chromium
 from tests.release_notebooks import WHERE, keep_run, problems
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,11 +72,8 @@ def lab(tmp_path_factory, request):
     course = tmp / "course"
     shutil.copytree(release, course, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__", "*.zip"))
     port = _free_port()
-    # COURSE_ANIMATIONS=html: the replays also carry their HTML animations (the lab draws the widget), so the
-    # notebooks run here can be the website's (tests/website/test_site.py builds pages from them)
     env = dict(os.environ, JUPYTER_CONFIG_PATH=str(ROOT / "scripts" / "jupyter"), JUPYTER_CONFIG_DIR=str(tmp / "cfg"),
-               JUPYTER_RUNTIME_DIR=str(tmp / "rt"), BROWSER="true", PYTHONUNBUFFERED="1", PYTHONPATH=str(course),
-               COURSE_ANIMATIONS="html")
+               JUPYTER_RUNTIME_DIR=str(tmp / "rt"), BROWSER="true", PYTHONUNBUFFERED="1", PYTHONPATH=str(course))
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
            f"--ServerApp.token={TOKEN}", f"--ServerApp.root_dir={course}",
            f"--LabApp.workspaces_dir={tmp / 'ws'}", "--LabApp.expose_app_in_browser=True", "--allow-root"]
@@ -127,12 +124,14 @@ _OPENED = """async () => {          // wait (up to 90 s) for the notebook, its k
   }
   return false;
 }"""
-_START_RUN = """(whereCode) => {              // start "Run All Cells"; window.__courseRun holds the summary when done
+_START_RUN = """([setupCode, whereCode]) => {  // start "Run All Cells"; window.__courseRun holds the summary when done
   const app = window.jupyterapp;
   const w = [...app.shell.widgets('main')].find(x => x.content && x.content.model && x.sessionContext);
   app.shell.activateById(w.id);
   window.__courseRun = null;
-  app.commands.execute('notebook:run-all-cells').then(() => where(w).then(imported => {
+  const kernel = w.sessionContext.session.kernel;
+  (setupCode ? kernel.requestExecute({code: setupCode, silent: true, store_history: false}).done : Promise.resolve())
+  .then(() => app.commands.execute('notebook:run-all-cells')).then(() => where(w).then(imported => {
                                                         window.__courseRun = Object.assign(summary(w), {imported}); }),
                                                       e => { window.__courseRun = {errors: [String(e)], views: 0,
                                                                                    unrun: -1}; });
@@ -175,6 +174,9 @@ def _wait_changed(locator, before: bytes, seconds: float = 15.0) -> bytes | None
     return None
 
 
+# The notebooks the website's test builds pages from (tests/website/test_site.py) run here with their replays' HTML
+# animations too (the lab draws the widget; a static page, the animation): set in their kernel before Run All.
+ANIMATED = "import os; os.environ['COURSE_ANIMATIONS'] = 'html'"
 PARALLEL = 2                      # notebooks running at once (two kernels on a 2-core machine)
 RUN_LIMIT = 300                   # seconds one notebook may take to run all its cells
 
@@ -199,7 +201,7 @@ def executed(lab, browser, release_runs):
                     done[name] = (page, {"errors": ["the notebook or its kernel did not open within 90 s"],
                                          "views": 0, "unrun": -1}, time.perf_counter() - t0)
                     continue
-                page.evaluate(_START_RUN, WHERE)
+                page.evaluate(_START_RUN, [ANIMATED if Path(name).stem in SITE_NOTEBOOKS else "", WHERE])
                 running[name] = (page, t0)
             time.sleep(0.5)
             for name, (page, t0) in list(running.items()):

@@ -27,10 +27,10 @@ import pytest
 from docs.website import build
 from exercises.grading import leaks
 from tests.notebook.test_browser import _require_browser
-from tests.conftest import headless_chromium
+from tests.conftest import SITE_NOTEBOOKS, headless_chromium
 
 ROOT = Path(__file__).resolve().parents[2]
-LECTURE = "04b_pipeline_parallelism"
+LECTURE = SITE_NOTEBOOKS[1]                 # "04b_pipeline_parallelism"
 SHOTS = ROOT / "build" / "screenshots" / "website"
 # in the browser: the home page, the lecture and the generated papers page (the static check reads every page)
 PAGES = ["index.html", f"{LECTURE}.html", "references.html"]
@@ -43,7 +43,7 @@ def site(release_runs, student_release, tmp_path_factory):
     -> (folder, its problems by check.py, (figures, replays) the lecture's run drew)."""
     _require_browser()
     tmp = tmp_path_factory.mktemp("website")
-    names = ["index", LECTURE]
+    names = list(SITE_NOTEBOOKS)
     executed = release_runs
     t0 = time.perf_counter()
     if not all((release_runs / f"{n}.ipynb").exists() for n in names):
