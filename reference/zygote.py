@@ -3,11 +3,10 @@
 A rank started as a fresh interpreter spends about a second of CPU importing torch, more on a busy
 machine; a world of N such ranks pays it N times at once, on two cores (lecture 0's worlds of 2, 3
 and 4 took 35 s to start).  The *zygote* pays it once per notebook: a plain interpreter, started on
-first use, that imports torch, ``torch.distributed`` and what ranks import next (:data:`PRELOAD`) and then
-does nothing but fork.  Each rank
-it forks begins with torch in memory (shared, copy-on-write) and goes straight to the rank program
-(:func:`reference.rank_program._rank_main`): the same process group, pipe, traces and errors as a
-spawned rank::
+first use, that imports torch, ``torch.distributed`` and what ranks import next (:data:`PRELOAD`), and
+then does nothing but fork.  Each rank it forks begins with torch in memory (shared, copy-on-write)
+and goes straight to the rank program (:func:`reference.rank_program._rank_main`): the same process
+group, pipe, traces and errors as a spawned rank::
 
     notebook kernel ──(one socket: "fork rank r" + the rank's end of its pipe)──▶ zygote
          ▲                                                                          │ os.fork()

@@ -249,8 +249,8 @@ def _watching(snapshot: Snapshot):
             found.append("a thread your code started is still running after it returned")
 
 
-# never a check's driver, and slow to import: what only the notebooks use (drawing, recordings), and the
-# composed run's checkpoints (torch.distributed.checkpoint: 0.5 s quiet, 10 s on a loaded machine, per runner)
+# never a check's driver: what only the notebooks use (drawing, recordings), and the composed run's checkpoints
+# (torch.distributed.checkpoint itself the zygote has imported already: reference.zygote.PRELOAD)
 NOTEBOOK_PLUMBING = ("reference.widgets", "reference.notebook", "reference.compose.checkpoint")
 
 
